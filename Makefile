@@ -1,0 +1,56 @@
+# gpubalance: `make demo` and `make test` do all the set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# command -> Debian package that provides it
+SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy
+
+.PHONY: all venv system-deps fakenvml test lint demo bench clean
+
+all: test
+
+system-deps:
+	@missing=""; for pair in $(SYSTEM_DEPS); do \
+	  cmd=$${pair%%:*}; pkg=$${pair##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "missing system packages:$$missing"; \
+	    echo "run: sudo apt-get install -y --no-install-recommends$$missing"; \
+	    exit 1; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "run: sudo apt-get install -y python3-venv"; exit 1; }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+fakenvml: venv system-deps
+	$(PY) -m gpubalance lab fakenvml build --out build/fakenvml
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: venv system-deps fakenvml lint
+	$(VENV)/bin/pytest -q
+
+demo: venv system-deps fakenvml
+	$(PY) -m gpubalance lab demo
+
+bench: venv system-deps fakenvml
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) bench/exporter.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache

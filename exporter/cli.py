@@ -1,0 +1,164 @@
+"""Run the host exporter: NVML, /proc and serving signals sampled in the background, served as
+Prometheus metrics (/metrics), a JSON snapshot (/api/v1/snapshot) and a health check (/healthz).
+
+Settings come from the `exporter:` section of --config FILE; flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from gpubalance.exporter.collectors import REGISTRY
+
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration file")
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to serve on (default :9450; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between background samples (default 1)",
+    )
+    parser.add_argument(
+        "--window",
+        type=float,
+        metavar="SECONDS",
+        help="seconds averaged by window figures (default 30)",
+    )
+    parser.add_argument(
+        "--trend-window",
+        type=float,
+        metavar="SECONDS",
+        help="seconds of memory trend for slope and time to full (default 300)",
+    )
+    parser.add_argument(
+        "--names", choices=("native", "dcgm", "both"), help="metric naming profile (default native)"
+    )
+    parser.add_argument("--procfs", metavar="PATH", help="procfs root to read (default /proc)")
+    parser.add_argument(
+        "--nvml-library", metavar="PATH", help="load this libnvidia-ml.so.1 before NVML init"
+    )
+    parser.add_argument(
+        "--hostname",
+        help="Hostname label of the DCGM profile (default: $NODE_NAME, else the host name)",
+    )
+    for spec in REGISTRY.values():
+        parser.add_argument(
+            f"--collector.{spec.name}",
+            dest=f"collector__{spec.name}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{spec.help} (default {'on' if spec.default_enabled else 'off'})",
+        )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="take one sample, print the /metrics text and exit"
+    )
+    parser.add_argument(
+        "--print-schema",
+        action="store_true",
+        help="print the JSON Schema of /api/v1/snapshot and exit",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    collectors = {
+        key.removeprefix("collector__"): value
+        for key, value in vars(args).items()
+        if key.startswith("collector__") and value is not None
+    }
+    return {
+        "listen": args.listen,
+        "interval": args.interval,
+        "window": args.window,
+        "trend_window": args.trend_window,
+        "names": args.names,
+        "procfs": args.procfs,
+        "nvml_library": args.nvml_library,
+        "hostname": args.hostname,
+        "collectors": collectors or None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpubalance.config import ConfigError, load_section
+    from gpubalance.exporter.config import ExporterConfig
+
+    if args.print_schema:
+        from gpubalance.snapshot import json_schema
+
+        print(json.dumps(json_schema(), indent=2, sort_keys=True))
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    try:
+        config = load_section(ExporterConfig, args.config, "exporter", _overrides(args))
+        collectors = build_collectors(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"gpubalance exporter: {exc}", file=sys.stderr)
+        return 2
+    from gpubalance.exporter.sampler import Sampler
+
+    sampler = Sampler(config, collectors, config.resolved_hostname())
+    if args.once:
+        from gpubalance.exporter.exposition import render
+
+        try:
+            view = sampler.sample_once()
+            sys.stdout.buffer.write(render(view, config.names))
+        finally:
+            sampler.stop()
+        return 0
+    return asyncio.run(serve(config, sampler))
+
+
+def build_collectors(config: Any) -> list[Any]:
+    from gpubalance.exporter.collectors import enabled_specs
+
+    return [spec.factory(config) for spec in enabled_specs(config.collectors)]
+
+
+async def serve(config: Any, sampler: Any) -> int:
+    from aiohttp import web
+
+    from gpubalance.exporter.server import ExporterServer
+
+    log = logging.getLogger("gpubalance.exporter")
+    runner = web.AppRunner(ExporterServer(sampler, config).app(), access_log=None)
+    await runner.setup()
+    host, port = config.listen_address
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        sampler.stop()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        print(f"gpubalance exporter: cannot listen on {config.listen}: {reason}", file=sys.stderr)
+        return 2
+    for address in runner.addresses:
+        log.info("listening on http://%s:%d", *address[:2])
+    sampler.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await runner.cleanup()
+    sampler.stop()
+    return 0

@@ -1,0 +1,395 @@
+"""GPU collector: one GpuSample per GPU from NVML, through the probe-once session."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import pynvml
+
+from gpubalance.exporter.collectors.base import SampleParts, register
+from gpubalance.exporter.config import ExporterConfig
+from gpubalance.exporter.nvml import Device, NvmlGone, NvmlSession, Support, error_name
+from gpubalance.telemetry import GpuProcess, GpuSample
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+KIB = 1024
+MHZ = 1_000_000.0
+
+# Clock-event ("throttle") reason bits by the names the exposition uses.
+THROTTLE_REASONS: dict[str, int] = {
+    "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
+    "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
+    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
+    "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
+    "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+    "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    "hw_power_brake_slowdown": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+    "display_clock_setting": pynvml.nvmlClocksEventReasonDisplayClockSetting,
+    # Only the older constant names carry these two bits in nvidia-ml-py 13.x.
+    "board_limit": pynvml.nvmlClocksThrottleReasonBoardLimit,
+    "reliability": pynvml.nvmlClocksThrottleReasonReliability,
+}
+
+# Field-value ids read in one batched call, by the capability each one stands for.
+FIELDS: dict[str, tuple[int, ...]] = {
+    "memory_temperature": (pynvml.NVML_FI_DEV_MEMORY_TEMP,),
+    "nvlink_throughput": (
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+    ),
+}
+
+_VALUE_MEMBERS = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+
+_EMPTY: tuple[Any, ...] = ()
+
+
+def _union_value(value_type: int, value: Any) -> float:
+    return float(getattr(value, _VALUE_MEMBERS.get(value_type, "ullVal")))
+
+
+def _ratio(percent: float | None) -> float | None:
+    return None if percent is None else percent / 100.0
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+class GpuCollector:
+    name = "gpu"
+
+    def __init__(self, session: NvmlSession) -> None:
+        self.session = session
+
+    def update(self, parts: SampleParts) -> None:
+        session = self.session
+        if not session.ensure():
+            parts.nvml = session.snapshot_status()
+            raise RuntimeError(f"NVML unavailable: {session.status.error}")
+        try:
+            session.check_topology()
+            self._drain_xid_events()
+            parts.gpus = tuple(self.read(device) for device in session.devices)
+        except NvmlGone as exc:
+            session.lose_session(exc)
+            parts.nvml = session.snapshot_status()
+            raise RuntimeError(f"NVML stopped answering: {exc}") from None
+        parts.nvml = session.snapshot_status()
+
+    def close(self) -> None:
+        self.session.shutdown()
+
+    # -- one GPU ---------------------------------------------------------------------------
+
+    def read(self, device: Device) -> GpuSample:
+        if device.lost:
+            return self._lost(device)
+        q = self.session.query
+        h = device.handle
+
+        samples = self._utilization_samples(device)
+        rates = q(device, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
+        encoder = q(device, "encoder_utilization", pynvml.nvmlDeviceGetEncoderUtilization, h)
+        decoder = q(device, "decoder_utilization", pynvml.nvmlDeviceGetDecoderUtilization, h)
+        memory = self._memory(device)
+        temperature = self._temperature(device)
+        power = q(device, "power", pynvml.nvmlDeviceGetPowerUsage, h)
+        limit = q(device, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+        energy = q(device, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h)
+        sm_clock = q(device, "sm_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)
+        mem_clock = q(
+            device, "memory_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM
+        )
+        gr_clock = q(
+            device, "graphics_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_GRAPHICS
+        )
+        max_clocks = self._max_clocks(device)
+        reasons = self._throttle_reasons(device)
+        tx = q(
+            device,
+            "pcie_throughput",
+            pynvml.nvmlDeviceGetPcieThroughput,
+            h,
+            pynvml.NVML_PCIE_UTIL_TX_BYTES,
+        )
+        rx = q(
+            device,
+            "pcie_throughput",
+            pynvml.nvmlDeviceGetPcieThroughput,
+            h,
+            pynvml.NVML_PCIE_UTIL_RX_BYTES,
+        )
+        replays = q(device, "pcie_replay_counter", pynvml.nvmlDeviceGetPcieReplayCounter, h)
+        fan = q(device, "fan_speed", pynvml.nvmlDeviceGetFanSpeed, h)
+        fields = self._field_values(device)
+        remapped = q(device, "remapped_rows", pynvml.nvmlDeviceGetRemappedRows, h)
+        processes = self._processes(device)
+        if device.lost:  # lost during this very read
+            return self._lost(device)
+
+        xid_supported = device.capabilities.get("xid_events") is Support.SUPPORTED
+        nvlink = fields.get("nvlink_throughput")
+        return GpuSample(
+            index=device.index,
+            uuid=device.uuid,
+            name=device.name,
+            pci_bus_id=device.pci_bus_id,
+            utilization_ratio=_ratio(rates.gpu) if rates is not None else None,
+            utilization_samples=samples,
+            memory_utilization_ratio=_ratio(rates.memory) if rates is not None else None,
+            encoder_utilization_ratio=_ratio(encoder[0]) if encoder is not None else None,
+            decoder_utilization_ratio=_ratio(decoder[0]) if decoder is not None else None,
+            memory_total_bytes=memory[0],
+            memory_used_bytes=memory[1],
+            memory_free_bytes=memory[2],
+            memory_reserved_bytes=memory[3],
+            temperature_celsius=None if temperature is None else float(temperature),
+            memory_temperature_celsius=(fields.get("memory_temperature") or (None,))[0],
+            power_watts=_scaled(power, 1e-3),
+            power_limit_watts=_scaled(limit, 1e-3),
+            energy_joules_total=_scaled(energy, 1e-3),
+            sm_clock_hertz=_scaled(sm_clock, MHZ),
+            memory_clock_hertz=_scaled(mem_clock, MHZ),
+            graphics_clock_hertz=_scaled(gr_clock, MHZ),
+            max_sm_clock_hertz=_scaled(max_clocks.get("sm"), MHZ),
+            max_memory_clock_hertz=_scaled(max_clocks.get("memory"), MHZ),
+            throttle_reasons=reasons,
+            pcie_tx_bytes_per_second=_scaled(tx, KIB),
+            pcie_rx_bytes_per_second=_scaled(rx, KIB),
+            pcie_replays_total=replays,
+            fan_speed_ratio=_ratio(fan),
+            nvlink_bytes_total=None if nvlink is None else int(sum(nvlink) * KIB),
+            remapped_rows_correctable_total=remapped[0] if remapped else None,
+            remapped_rows_uncorrectable_total=remapped[1] if remapped else None,
+            remapped_rows_failure=bool(remapped[3]) if remapped else None,
+            xid_errors_total=dict(device.xid_errors_total) if xid_supported else None,
+            last_xid=device.last_xid,
+            processes=processes,
+            supported=device.supported(),
+        )
+
+    @staticmethod
+    def _lost(device: Device) -> GpuSample:
+        return GpuSample(
+            index=device.index,
+            uuid=device.uuid,
+            name=device.name,
+            pci_bus_id=device.pci_bus_id,
+            lost=True,
+            supported=device.supported(),
+        )
+
+    def _utilization_samples(self, device: Device) -> tuple[tuple[float, float], ...]:
+        result = self.session.query(
+            device,
+            "utilization_samples",
+            pynvml.nvmlDeviceGetSamples,
+            device.handle,
+            pynvml.NVML_GPU_UTILIZATION_SAMPLES,
+            device.last_utilization_sample_us,
+            not_found=_EMPTY,
+        )
+        if not result:
+            return ()
+        value_type, raw = result
+        samples = []
+        for entry in raw:
+            stamp = int(entry.timeStamp)
+            if stamp <= device.last_utilization_sample_us:
+                continue
+            samples.append((stamp / 1e6, _union_value(value_type, entry.sampleValue) / 100.0))
+        if samples:
+            device.last_utilization_sample_us = max(int(e.timeStamp) for e in raw)
+        samples.sort()
+        return tuple(samples)
+
+    def _memory(self, device: Device) -> tuple[int | None, int | None, int | None, int | None]:
+        q = self.session.query
+        info = q(
+            device,
+            "memory",
+            pynvml.nvmlDeviceGetMemoryInfo,
+            device.handle,
+            version=pynvml.nvmlMemory_v2,
+        )
+        if info is not None:
+            return int(info.total), int(info.used), int(info.free), int(info.reserved)
+        if device.capabilities.get("memory") is None:
+            return None, None, None, None  # transient failure: no fallback guesswork
+        # Older drivers lack the v2 struct; v1 "used" includes the reserved memory.
+        info = q(device, "memory_v1", pynvml.nvmlDeviceGetMemoryInfo, device.handle)
+        if info is None:
+            return None, None, None, None
+        return int(info.total), int(info.used), int(info.free), None
+
+    def _temperature(self, device: Device) -> int | None:
+        q = self.session.query
+        value = q(
+            device,
+            "temperature",
+            pynvml.nvmlDeviceGetTemperatureV,
+            device.handle,
+            pynvml.NVML_TEMPERATURE_GPU,
+        )
+        if value is not None or device.capabilities.get("temperature") is None:
+            return value
+        # nvmlDeviceGetTemperatureV arrived with R565; older drivers answer the classic call.
+        return q(
+            device,
+            "temperature_v1",
+            pynvml.nvmlDeviceGetTemperature,
+            device.handle,
+            pynvml.NVML_TEMPERATURE_GPU,
+        )
+
+    def _max_clocks(self, device: Device) -> dict[str, int]:
+        cached = device.static.get("max_clocks")
+        if cached is not None:
+            return cached
+        q = self.session.query
+        clocks = {}
+        for name, clock in (("sm", pynvml.NVML_CLOCK_SM), ("memory", pynvml.NVML_CLOCK_MEM)):
+            value = q(device, "max_clocks", pynvml.nvmlDeviceGetMaxClockInfo, device.handle, clock)
+            if value is not None:
+                clocks[name] = value
+        if device.capabilities.get("max_clocks") is not None:
+            device.static["max_clocks"] = clocks  # static for the life of the driver
+        return clocks
+
+    def _throttle_reasons(self, device: Device) -> frozenset[str] | None:
+        q = self.session.query
+        mask = q(
+            device, "throttle_reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons, device.handle
+        )
+        if mask is None and device.capabilities.get("throttle_reasons") is not None:
+            # Drivers before R535 know only the older name of the same query.
+            mask = q(
+                device,
+                "throttle_reasons_v1",
+                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons,
+                device.handle,
+            )
+        if mask is None:
+            return None
+        return frozenset(name for name, bit in THROTTLE_REASONS.items() if mask & bit)
+
+    def _field_values(self, device: Device) -> dict[str, tuple[float, ...]]:
+        wanted = [
+            cap for cap in FIELDS if device.capabilities.get(cap) in (None, Support.SUPPORTED)
+        ]
+        if not wanted:
+            return {}
+        ids = [fid for cap in wanted for fid in FIELDS[cap]]
+        values = self.session.query(
+            device, "field_values", pynvml.nvmlDeviceGetFieldValues, device.handle, ids
+        )
+        if values is None:
+            return {}
+        by_id = {int(v.fieldId): v for v in values}
+        result: dict[str, tuple[float, ...]] = {}
+        for cap in wanted:
+            entries = [by_id[fid] for fid in FIELDS[cap]]
+            failed = [e.nvmlReturn for e in entries if e.nvmlReturn != pynvml.NVML_SUCCESS]
+            if not failed:
+                device.capabilities[cap] = Support.SUPPORTED
+                result[cap] = tuple(_union_value(e.valueType, e.value) for e in entries)
+                continue
+            code = failed[0]
+            if code in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                device.capabilities[cap] = Support.UNSUPPORTED
+            else:
+                self.session.errors_total[
+                    (f"nvmlDeviceGetFieldValues[{cap}]", error_name(pynvml.NVMLError(code)))
+                ] += 1
+        return result
+
+    def _processes(self, device: Device) -> tuple[GpuProcess, ...]:
+        q = self.session.query
+        memory: dict[int, int | None] = {}
+        for capability, fn in (
+            ("compute_processes", pynvml.nvmlDeviceGetComputeRunningProcesses),
+            ("graphics_processes", pynvml.nvmlDeviceGetGraphicsRunningProcesses),
+        ):
+            for proc in q(device, capability, fn, device.handle) or ():
+                used = proc.usedGpuMemory
+                previous = memory.get(proc.pid)
+                memory[proc.pid] = used if previous is None else max(previous, used or 0)
+        if not memory:
+            return ()
+        utilization = self._process_utilization(device)
+        supported = device.supported().get("process_utilization", False)
+        processes = []
+        for pid in sorted(memory):
+            sm, mem = utilization.get(pid, (0.0, 0.0)) if supported else (None, None)
+            processes.append(GpuProcess(pid, memory[pid], sm, mem))
+        return tuple(processes)
+
+    def _process_utilization(self, device: Device) -> dict[int, tuple[float, float]]:
+        samples: Iterable[Any] = (
+            self.session.query(
+                device,
+                "process_utilization",
+                pynvml.nvmlDeviceGetProcessUtilization,
+                device.handle,
+                device.last_process_sample_us,
+                not_found=_EMPTY,
+            )
+            or ()
+        )
+        latest: dict[int, Any] = {}
+        for entry in samples:
+            current = latest.get(entry.pid)
+            if current is None or entry.timeStamp > current.timeStamp:
+                latest[entry.pid] = entry
+        if latest:
+            device.last_process_sample_us = max(int(e.timeStamp) for e in latest.values())
+        return {pid: (e.smUtil / 100.0, e.memUtil / 100.0) for pid, e in latest.items()}
+
+    # -- XID events ------------------------------------------------------------------------
+
+    def _drain_xid_events(self) -> None:
+        session = self.session
+        if session.event_set is None:
+            return
+        by_uuid = {d.uuid: d for d in session.devices}
+        for _ in range(1024):  # bounded: a storm of events must not stall the sample
+            try:
+                data = pynvml.nvmlEventSetWait_v2(session.event_set, 0)
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_TIMEOUT:
+                    session.errors_total[("nvmlEventSetWait_v2", error_name(exc))] += 1
+                return
+            if not data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            try:
+                uuid = pynvml.nvmlDeviceGetUUID(data.device)
+            except pynvml.NVMLError as exc:
+                session.errors_total[("nvmlDeviceGetUUID", error_name(exc))] += 1
+                continue
+            device = by_uuid.get(uuid.decode() if isinstance(uuid, bytes) else uuid)
+            if device is not None:
+                xid = int(data.eventData)
+                device.xid_errors_total[xid] += 1
+                device.last_xid = xid
+                log.warning("GPU %d (%s): XID %d", device.index, device.uuid, xid)
+
+
+@register("gpu", order=10, help="GPUs through NVML (pynvml)")
+def create(config: ExporterConfig) -> GpuCollector:
+    return GpuCollector(
+        NvmlSession(library_path=config.nvml_library, retry_max_seconds=config.nvml_retry_max)
+    )

@@ -1,0 +1,72 @@
+"""The exporter's configuration: the `exporter:` section of the YAML file, or flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_PORT = 9450
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``:PORT`` means every interface, ``[::1]:PORT`` for IPv6)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0..65535, got {port}")
+    return host, port
+
+
+class ExporterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    listen: str = f":{DEFAULT_PORT}"
+    interval: float = Field(1.0, gt=0, le=3600, description="seconds between samples")
+    window: float = Field(30.0, gt=0, description="seconds averaged by window figures")
+    trend_window: float = Field(300.0, gt=0, description="seconds of memory trend (slope)")
+    names: Literal["native", "dcgm", "both"] = "native"
+    procfs: str = "/proc"
+    nvml_library: str | None = None
+    hostname: str | None = None
+    nvml_retry_max: float = Field(30.0, gt=0, description="longest wait between NVML re-inits")
+    collectors: dict[str, bool] = Field(default_factory=dict)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_windows(self) -> ExporterConfig:
+        if self.window < self.interval:
+            raise ValueError(
+                f"window ({self.window} s) must be at least interval ({self.interval} s)"
+            )
+        if self.trend_window < self.window:
+            raise ValueError(
+                f"trend_window ({self.trend_window} s) must be at least window ({self.window} s)"
+            )
+        return self
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+    @property
+    def history_length(self) -> int:
+        """Samples kept: enough to cover the trend window."""
+        return int(self.trend_window / self.interval) + 2
+
+    def resolved_hostname(self) -> str:
+        # dcgm-exporter's rule: NODE_NAME (set by Kubernetes), else the host name.
+        return self.hostname or os.environ.get("NODE_NAME") or socket.gethostname()

@@ -1,0 +1,121 @@
+"""HTTP endpoints of the exporter: /metrics, /healthz, /api/v1/snapshot.
+
+Every handler serves the sampler's latest published view; rendered bodies are cached per view
+generation and naming profile, so N scrapers cost one render per sample, and no NVML call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from gpubalance.exporter.config import ExporterConfig
+from gpubalance.exporter.exposition import PROFILES, render
+from gpubalance.exporter.sampler import Sampler
+from gpubalance.snapshot import SCHEMA, Snapshot, to_json
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+INDEX = """<!doctype html>
+<html><head><title>gpubalance exporter</title></head><body>
+<h1>gpubalance exporter</h1>
+<ul>
+<li><a href="/metrics">/metrics</a> (Prometheus; <code>?names=native|dcgm|both</code>)</li>
+<li><a href="/api/v1/snapshot">/api/v1/snapshot</a> (JSON; <code>?history=N</code>)</li>
+<li><a href="/healthz">/healthz</a></li>
+</ul></body></html>
+"""
+
+
+class ExporterServer:
+    def __init__(self, sampler: Sampler, config: ExporterConfig) -> None:
+        self.sampler = sampler
+        self.config = config
+        self._cache: dict[str, tuple[int, bytes]] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/", self.index)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/api/v1/snapshot", self.snapshot)
+        return app
+
+    def _cached(self, key: str, generation: int, make: Callable[[], bytes]) -> bytes:
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == generation:
+            return hit[1]
+        body = make()
+        self._cache[key] = (generation, body)
+        return body
+
+    async def index(self, request: web.Request) -> web.Response:
+        return web.Response(text=INDEX, content_type="text/html")
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        view = self.sampler.view
+        if view is None:
+            return web.Response(status=503, text="no sample taken yet; retry in a second\n")
+        profile = request.query.get("names", self.config.names)
+        if profile not in PROFILES:
+            return web.Response(
+                status=400, text=f"names must be one of {', '.join(PROFILES)}, got {profile!r}\n"
+            )
+        body = self._cached(f"metrics:{profile}", view.generation, lambda: render(view, profile))
+        response = web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            response.enable_compression()
+        return response
+
+    async def snapshot(self, request: web.Request) -> web.StreamResponse:
+        view = self.sampler.view
+        if view is None:
+            return web.Response(status=503, text="no sample taken yet; retry in a second\n")
+        try:
+            history = int(request.query.get("history", "0"))
+        except ValueError:
+            return web.Response(status=400, text="history must be a whole number of samples\n")
+        if not 0 <= history <= self.config.history_length:
+            return web.Response(
+                status=400, text=f"history must be 0..{self.config.history_length}\n"
+            )
+
+        def make() -> bytes:
+            earlier = tuple(self.sampler.history)[:-1][-history:] if history else ()
+            return to_json(
+                Snapshot(
+                    schema=SCHEMA,
+                    interval_seconds=view.interval_seconds,
+                    window_seconds=view.window_seconds,
+                    trend_window_seconds=view.trend_window_seconds,
+                    sample=view.sample,
+                    window=view.window,
+                    history=earlier,
+                )
+            )
+
+        body = make() if history else self._cached("snapshot", view.generation, make)
+        response = web.Response(body=body, content_type="application/json")
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            response.enable_compression()
+        return response
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        view = self.sampler.view
+        if view is None:
+            return web.json_response({"status": "starting"}, status=503)
+        age = time.time() - view.sample.timestamp_seconds
+        stale_after = max(3 * self.config.interval, 5.0)
+        healthy = age <= stale_after
+        return web.json_response(
+            {
+                "status": "ok" if healthy else "stale",
+                "last_sample_age_seconds": round(age, 3),
+                "nvml_up": view.sample.nvml.up,
+                "nvml_error": view.sample.nvml.error,
+                "collectors": {r.name: r.success for r in view.sample.collectors},
+            },
+            status=200 if healthy else 503,
+        )

@@ -1,0 +1,171 @@
+"""Live terminal view of one exporter: per GPU utilization, memory and its trend, power, clocks,
+throttling and the host processes feeding it, read from /api/v1/snapshot every second.
+
+On a terminal it redraws in place; in a pipe it prints one table per refresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from gpubalance.snapshot import Snapshot, from_json
+
+GIB = 1024**3
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:9450",
+        help="exporter base URL (default http://127.0.0.1:9450)",
+    )
+    parser.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long (default: until Ctrl-C)",
+    )
+
+
+def fetch(url: str, timeout: float = 5.0) -> Snapshot:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/snapshot", timeout=timeout) as resp:
+        return from_json(resp.read())
+
+
+def _bar(ratio: float | None, width: int = 10) -> Text:
+    if ratio is None:
+        return Text("n/a", style="dim")
+    filled = round(max(0.0, min(1.0, ratio)) * width)
+    style = "red" if ratio >= 0.9 else "yellow" if ratio >= 0.6 else "green"
+    return Text("█" * filled + "·" * (width - filled), style=style) + Text(f" {ratio:4.0%}")
+
+
+def _fmt(value: float | None, fmt: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{fmt}}{unit}"
+
+
+def render(snapshot: Snapshot) -> Group:
+    sample, window = snapshot.sample, snapshot.window
+    gpu_windows = {w.uuid: w for w in window.gpus}
+    table = Table(
+        title=f"gpubalance · {sample.hostname} · "
+        f"{time.strftime('%H:%M:%S', time.localtime(sample.timestamp_seconds))}",
+        expand=False,
+    )
+    for column in (
+        "GPU",
+        "model",
+        f"util ({snapshot.window_seconds:.0f}s)",
+        "memory",
+        "trend",
+        "temp",
+        "power",
+        "SM clock",
+        "throttle",
+        "PCIe tx/rx",
+        "processes",
+    ):
+        table.add_column(column, no_wrap=True)
+    for gpu in sample.gpus:
+        if gpu.lost:
+            table.add_row(
+                str(gpu.index), gpu.name or "?", Text("LOST", style="bold red"), *([""] * 8)
+            )
+            continue
+        win = gpu_windows.get(gpu.uuid)
+        memory = "n/a"
+        if gpu.memory_used_bytes is not None and gpu.memory_total_bytes:
+            memory = f"{gpu.memory_used_bytes / GIB:5.1f}/{gpu.memory_total_bytes / GIB:4.1f} GiB"
+        trend = "n/a"
+        if win is not None and win.memory_used_slope_bytes_per_second is not None:
+            trend = f"{win.memory_used_slope_bytes_per_second / 2**20:+.1f} MiB/s"
+            if win.memory_time_to_full_seconds is not None:
+                trend += f" full {win.memory_time_to_full_seconds / 60:.0f}m"
+        power = _fmt(gpu.power_watts, ".0f")
+        if gpu.power_limit_watts:
+            power += f"/{gpu.power_limit_watts:.0f} W"
+        reasons = sorted((gpu.throttle_reasons or frozenset()) - {"gpu_idle"})
+        pcie = (
+            f"{_fmt(_mib(gpu.pcie_tx_bytes_per_second), '.0f')}/"
+            f"{_fmt(_mib(gpu.pcie_rx_bytes_per_second), '.0f')} MiB/s"
+        )
+        procs = []
+        for proc in gpu.processes:
+            host = sample.processes.get(proc.pid)
+            cpu = window.processes.get(proc.pid)
+            label = f"{host.name if host else '?'}/{proc.pid}"
+            if cpu is not None:
+                label += f" cpu {cpu.cpu_usage_ratio:.0%}"
+            procs.append(label)
+        table.add_row(
+            str(gpu.index),
+            (gpu.name or "?").replace("NVIDIA GeForce ", ""),
+            _bar(win.utilization_ratio if win else gpu.utilization_ratio),
+            memory,
+            trend,
+            _fmt(gpu.temperature_celsius, ".0f", " °C"),
+            power,
+            _fmt(None if gpu.sm_clock_hertz is None else gpu.sm_clock_hertz / 1e6, ".0f", " MHz"),
+            Text(",".join(reasons) or "-", style="red" if reasons else "dim"),
+            pcie,
+            ", ".join(procs) or "-",
+        )
+    lines = [table]
+    if window.host is not None:
+        busy = window.host.cpu_busy_ratio
+        host_line = (
+            f"host: {len(busy)} CPUs, busy mean {sum(busy) / max(len(busy), 1):.0%} "
+            f"max {max(busy, default=0):.0%}, iowait {window.host.cpu_iowait_ratio:.0%}"
+        )
+        lines.append(Text(host_line))
+    if not sample.nvml.up:
+        lines.append(Text(f"NVML down: {sample.nvml.error}", style="bold red"))
+    return Group(*lines)
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else value / 2**20
+
+
+def run(args: argparse.Namespace) -> int:
+    return watch(args.url, args.refresh, args.duration)
+
+
+def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
+    console = Console()
+    deadline = None if duration is None else time.monotonic() + duration
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                view: Group | Text = render(fetch(url))
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                view = Text(f"cannot read {url}: {exc}", style="red")
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
+            time.sleep(refresh)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(watch(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:9450"))

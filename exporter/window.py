@@ -1,0 +1,253 @@
+"""Window figures: what the last N seconds of samples say beyond the latest one.
+
+Counters become rates, NVML utilization samples become a mean, memory used becomes a trend
+(least-squares slope and time to full). Pure functions of the history: they run once per
+sample in the sampler thread, never per scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import islice
+
+from gpubalance.telemetry import (
+    DiskWindow,
+    GpuSample,
+    GpuWindow,
+    HostSample,
+    HostWindow,
+    NetworkWindow,
+    ProcessWindow,
+    Sample,
+    Window,
+)
+
+# Reasons that mean "slowed down against its will"; idle and clock settings are not.
+SLOWDOWN_REASONS = frozenset(
+    {
+        "sw_power_cap",
+        "hw_slowdown",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+        "board_limit",
+        "reliability",
+    }
+)
+
+
+def compute_window(history: Sequence[Sample], seconds: float, trend_seconds: float) -> Window:
+    """Window figures for the last ``seconds`` (trends over ``trend_seconds``) of ``history``."""
+    if not history:
+        return Window(start_seconds=0.0, end_seconds=0.0)
+    last = history[-1]
+    end = last.timestamp_seconds
+    recent = _since(history, end - seconds)
+    trend = _since(history, end - trend_seconds)
+    first = recent[0]
+    return Window(
+        start_seconds=first.timestamp_seconds,
+        end_seconds=end,
+        gpus=tuple(_gpu_window(gpu, recent, trend, end - seconds) for gpu in last.gpus),
+        host=_host_window(first.host, last.host, end - first.timestamp_seconds),
+        processes=_process_windows(recent),
+    )
+
+
+def _since(history: Sequence[Sample], start: float) -> Sequence[Sample]:
+    # History is short (minutes of samples) and ordered: walk back from the end.
+    i = len(history) - 1
+    while i > 0 and history[i - 1].timestamp_seconds >= start:
+        i -= 1
+    return list(islice(history, i, None))  # history may be a deque: no slicing
+
+
+def _same_gpu(sample: Sample, uuid: str) -> GpuSample | None:
+    for gpu in sample.gpus:
+        if gpu.uuid == uuid:
+            return gpu
+    return None
+
+
+def _gpu_window(
+    gpu: GpuSample, recent: Sequence[Sample], trend: Sequence[Sample], start: float
+) -> GpuWindow:
+    series = [g for s in recent if (g := _same_gpu(s, gpu.uuid)) is not None and not g.lost]
+    nvml_samples = [v for g in series for (t, v) in g.utilization_samples if t >= start]
+    if nvml_samples:
+        utilization: float | None = sum(nvml_samples) / len(nvml_samples)
+        source: str | None = "samples"
+        count = len(nvml_samples)
+    else:
+        rates = [g.utilization_ratio for g in series if g.utilization_ratio is not None]
+        utilization = sum(rates) / len(rates) if rates else None
+        source = "rates" if rates else None
+        count = len(rates)
+    slope, time_to_full = _memory_trend(gpu, trend)
+    reasons = [g.throttle_reasons for g in series if g.throttle_reasons is not None]
+    throttled = sum(1 for r in reasons if r & SLOWDOWN_REASONS) / len(reasons) if reasons else None
+    return GpuWindow(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        utilization_ratio=utilization,
+        utilization_source=source,
+        utilization_sample_count=count,
+        memory_used_slope_bytes_per_second=slope,
+        memory_time_to_full_seconds=time_to_full,
+        throttled_ratio=throttled,
+    )
+
+
+def _memory_trend(gpu: GpuSample, trend: Sequence[Sample]) -> tuple[float | None, float | None]:
+    points = [
+        (s.timestamp_seconds, float(g.memory_used_bytes))
+        for s in trend
+        if (g := _same_gpu(s, gpu.uuid)) is not None and g.memory_used_bytes is not None
+    ]
+    if len(points) < 3:
+        return None, None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in points)
+    if var_t <= 0:
+        return None, None
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / var_t
+    if slope <= 0 or gpu.memory_free_bytes is None:
+        return slope, None
+    return slope, gpu.memory_free_bytes / slope
+
+
+def _rate(new: float, old: float, seconds: float) -> float:
+    # A counter that went backwards was reset (device re-added, exporter restarted the
+    # source): count from zero rather than report a negative rate.
+    delta = new - old
+    if delta < 0:
+        delta = new
+    return delta / seconds if seconds > 0 else 0.0
+
+
+def _host_window(
+    first: HostSample | None, last: HostSample | None, elapsed: float
+) -> HostWindow | None:
+    if first is None or last is None or first is last or elapsed <= 0:
+        return None
+    old_cpus = {c.cpu: c for c in first.cpus}
+    busy: list[float] = []
+    iowait_total = total_total = 0.0
+    for cpu in last.cpus:
+        old = old_cpus.get(cpu.cpu)
+        if old is None:
+            busy.append(0.0)
+            continue
+        total = cpu.total_seconds - old.total_seconds
+        busy.append(
+            min(1.0, max(0.0, (cpu.busy_seconds - old.busy_seconds) / total)) if total > 0 else 0.0
+        )
+        iowait_total += max(0.0, cpu.iowait_seconds - old.iowait_seconds)
+        total_total += max(0.0, total)
+    old_disks = {d.device: d for d in first.disks}
+    disks = []
+    for disk in last.disks:
+        old = old_disks.get(disk.device)
+        if old is None:
+            continue
+        ios = (disk.reads_total + disk.writes_total) - (old.reads_total + old.writes_total)
+        waited = (disk.read_time_seconds_total + disk.write_time_seconds_total) - (
+            old.read_time_seconds_total + old.write_time_seconds_total
+        )
+        disks.append(
+            DiskWindow(
+                device=disk.device,
+                read_bytes_per_second=_rate(disk.read_bytes_total, old.read_bytes_total, elapsed),
+                written_bytes_per_second=_rate(
+                    disk.written_bytes_total, old.written_bytes_total, elapsed
+                ),
+                await_seconds=waited / ios if ios > 0 and waited >= 0 else None,
+                busy_ratio=min(
+                    1.0,
+                    _rate(disk.io_time_seconds_total, old.io_time_seconds_total, elapsed),
+                ),
+            )
+        )
+    old_nets = {n.device: n for n in first.networks}
+    networks = []
+    for net in last.networks:
+        old = old_nets.get(net.device)
+        if old is None:
+            continue
+        networks.append(
+            NetworkWindow(
+                device=net.device,
+                receive_bytes_per_second=_rate(
+                    net.receive_bytes_total, old.receive_bytes_total, elapsed
+                ),
+                transmit_bytes_per_second=_rate(
+                    net.transmit_bytes_total, old.transmit_bytes_total, elapsed
+                ),
+                errors_per_second=_rate(
+                    net.receive_errors_total + net.transmit_errors_total,
+                    old.receive_errors_total + old.transmit_errors_total,
+                    elapsed,
+                ),
+                drops_per_second=_rate(
+                    net.receive_drops_total + net.transmit_drops_total,
+                    old.receive_drops_total + old.transmit_drops_total,
+                    elapsed,
+                ),
+            )
+        )
+    retransmit: float | None = None
+    if (
+        last.tcp_out_segments_total is not None
+        and first.tcp_out_segments_total is not None
+        and last.tcp_retransmitted_segments_total is not None
+        and first.tcp_retransmitted_segments_total is not None
+    ):
+        sent = last.tcp_out_segments_total - first.tcp_out_segments_total
+        resent = last.tcp_retransmitted_segments_total - first.tcp_retransmitted_segments_total
+        retransmit = resent / sent if sent > 0 and resent >= 0 else None
+    return HostWindow(
+        cpu_busy_ratio=tuple(busy),
+        cpu_iowait_ratio=iowait_total / total_total if total_total > 0 else 0.0,
+        disks=tuple(disks),
+        networks=tuple(networks),
+        tcp_retransmit_ratio=retransmit,
+    )
+
+
+def _process_windows(recent: Sequence[Sample]) -> dict[int, ProcessWindow]:
+    last = recent[-1]
+    windows: dict[int, ProcessWindow] = {}
+    for pid, stats in last.processes.items():
+        # The oldest sample of the same process (same pid and start time) in the window.
+        first = next(
+            (
+                (s.timestamp_seconds, p)
+                for s in recent
+                if (p := s.processes.get(pid)) is not None
+                and p.create_time_seconds == stats.create_time_seconds
+            ),
+            None,
+        )
+        if first is None:
+            continue
+        start, old = first
+        elapsed = last.timestamp_seconds - start
+        if elapsed <= 0 or old is stats:
+            continue
+        windows[pid] = ProcessWindow(
+            pid=pid,
+            cpu_usage_ratio=max(0.0, stats.cpu_seconds_total - old.cpu_seconds_total) / elapsed,
+            read_bytes_per_second=(
+                None
+                if stats.read_bytes_total is None or old.read_bytes_total is None
+                else _rate(stats.read_bytes_total, old.read_bytes_total, elapsed)
+            ),
+            written_bytes_per_second=(
+                None
+                if stats.written_bytes_total is None or old.written_bytes_total is None
+                else _rate(stats.written_bytes_total, old.written_bytes_total, elapsed)
+            ),
+        )
+    return windows

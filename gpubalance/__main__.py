@@ -1,0 +1,5 @@
+import sys
+
+from gpubalance.cli import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""The `gpubalance` command: one subcommand per part, each a thin layer over its package."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gpubalance import __version__
+
+# subcommand -> (module with `configure(parser)` and `run(args) -> int`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "exporter": ("gpubalance.exporter.cli", "run the host exporter (NVML, /proc, serving signals)"),
+    "top": ("gpubalance.exporter.top", "live terminal view of an exporter's GPUs"),
+    "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubalance",
+        description="Observability and imbalance diagnosis for multi-GPU NVIDIA RTX servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpubalance {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.configure(child)
+        child.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Plain types of the data path: NVML / procfs / serving -> sample -> window.
+
+Every crossing carries one of these frozen dataclasses. Units are in the field names; a value
+the hardware or the kernel cannot give is ``None``, never 0 or NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One process holding a context on a GPU, as NVML lists it."""
+
+    pid: int
+    gpu_memory_used_bytes: int | None
+    # From nvmlDeviceGetProcessUtilization; 0 when NVML has no samples for it (NOT_FOUND).
+    sm_utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """What NVML answered for one GPU at one sampling instant."""
+
+    index: int
+    uuid: str
+    name: str | None = None
+    pci_bus_id: str | None = None
+    lost: bool = False
+    # Instant reading of nvmlDeviceGetUtilizationRates.
+    utilization_ratio: float | None = None
+    # NVML utilization samples (timestamp in seconds, ratio) newer than the previous sample;
+    # the window averages these when the driver supports nvmlDeviceGetSamples.
+    utilization_samples: tuple[tuple[float, float], ...] = ()
+    memory_utilization_ratio: float | None = None
+    encoder_utilization_ratio: float | None = None
+    decoder_utilization_ratio: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    memory_reserved_bytes: int | None = None
+    temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    energy_joules_total: float | None = None
+    sm_clock_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    graphics_clock_hertz: float | None = None
+    max_sm_clock_hertz: float | None = None
+    max_memory_clock_hertz: float | None = None
+    # Active clock-event (throttle) reasons by name; None when the query is unsupported.
+    throttle_reasons: frozenset[str] | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    pcie_replays_total: int | None = None
+    fan_speed_ratio: float | None = None
+    nvlink_bytes_total: int | None = None
+    remapped_rows_correctable_total: int | None = None
+    remapped_rows_uncorrectable_total: int | None = None
+    remapped_rows_failure: bool | None = None
+    # XID errors seen since the exporter started, by XID number; None when events are unsupported.
+    xid_errors_total: Mapping[int, int] | None = None
+    last_xid: int | None = None
+    processes: tuple[GpuProcess, ...] = ()
+    # capability name -> supported, as probed once per GPU (see exporter/nvml.py)
+    supported: Mapping[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """Seconds one logical CPU spent in each mode since boot (/proc/stat)."""
+
+    cpu: int
+    user_seconds: float
+    nice_seconds: float
+    system_seconds: float
+    idle_seconds: float
+    iowait_seconds: float
+    irq_seconds: float
+    softirq_seconds: float
+    steal_seconds: float
+
+    @property
+    def total_seconds(self) -> float:
+        return (
+            self.user_seconds
+            + self.nice_seconds
+            + self.system_seconds
+            + self.idle_seconds
+            + self.iowait_seconds
+            + self.irq_seconds
+            + self.softirq_seconds
+            + self.steal_seconds
+        )
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.total_seconds - self.idle_seconds - self.iowait_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class PressureStall:
+    """One line pair of /proc/pressure/<resource> (PSI)."""
+
+    resource: str  # cpu | io | memory
+    some_avg10_ratio: float
+    some_total_seconds: float
+    full_avg10_ratio: float | None  # the kernel has no "full" line for cpu before 5.13
+    full_total_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DiskCounters:
+    """Cumulative counters of one block device (/proc/diskstats)."""
+
+    device: str
+    reads_total: int
+    writes_total: int
+    read_bytes_total: int
+    written_bytes_total: int
+    read_time_seconds_total: float
+    write_time_seconds_total: float
+    io_time_seconds_total: float  # time the device had I/O in flight ("busy")
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkCounters:
+    """Cumulative counters of one network interface (/proc/net/dev)."""
+
+    device: str
+    receive_bytes_total: int
+    transmit_bytes_total: int
+    receive_packets_total: int
+    transmit_packets_total: int
+    receive_errors_total: int
+    transmit_errors_total: int
+    receive_drops_total: int
+    transmit_drops_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    """The host at one sampling instant, read from one procfs root."""
+
+    cpus: tuple[CpuTimes, ...]
+    pressure: tuple[PressureStall, ...] | None  # None when the kernel has no PSI
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    disks: tuple[DiskCounters, ...]
+    networks: tuple[NetworkCounters, ...]
+    tcp_out_segments_total: int | None
+    tcp_retransmitted_segments_total: int | None
+    load1: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessHostStats:
+    """Host-side figures of one process that holds a GPU context."""
+
+    pid: int
+    name: str
+    cpu_seconds_total: float  # user + system
+    resident_memory_bytes: int
+    read_bytes_total: int | None  # None without permission to read /proc/<pid>/io
+    written_bytes_total: int | None
+    threads: int
+    create_time_seconds: float  # with pid, identifies the process across samples
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorResult:
+    """How one collector fared in one sample (node_exporter's scrape_collector_* series)."""
+
+    name: str
+    success: bool
+    duration_seconds: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlStatus:
+    """Whether NVML answers, what it is, and how its calls have failed so far."""
+
+    up: bool
+    driver_version: str | None = None
+    nvml_version: str | None = None
+    cuda_driver_version: int | None = None
+    error: str | None = None
+    # pynvml function -> NVML error name -> count since the exporter started
+    errors_total: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    init_failures_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Everything the exporter read at one instant."""
+
+    timestamp_seconds: float
+    duration_seconds: float
+    hostname: str
+    nvml: NvmlStatus
+    gpus: tuple[GpuSample, ...] = ()
+    host: HostSample | None = None
+    processes: Mapping[int, ProcessHostStats] = field(default_factory=dict)
+    collectors: tuple[CollectorResult, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GpuWindow:
+    """Figures of one GPU derived from the samples of a window."""
+
+    index: int
+    uuid: str
+    # Mean of NVML's utilization samples in the window (or of the instant readings, when the
+    # driver has no samples); ``utilization_source`` says which.
+    utilization_ratio: float | None
+    utilization_source: str | None  # "samples" | "rates"
+    utilization_sample_count: int
+    # Least-squares slope of memory used over the trend window; time to full at that slope.
+    memory_used_slope_bytes_per_second: float | None
+    memory_time_to_full_seconds: float | None  # None when memory is not growing
+    # Fraction of samples in which a slowdown reason (power, thermal, ...) was active.
+    throttled_ratio: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DiskWindow:
+    device: str
+    read_bytes_per_second: float
+    written_bytes_per_second: float
+    await_seconds: float | None  # mean time per completed I/O; None when no I/O completed
+    busy_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkWindow:
+    device: str
+    receive_bytes_per_second: float
+    transmit_bytes_per_second: float
+    errors_per_second: float
+    drops_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
+class HostWindow:
+    cpu_busy_ratio: tuple[float, ...]  # per logical CPU, index = cpu number
+    cpu_iowait_ratio: float
+    disks: tuple[DiskWindow, ...]
+    networks: tuple[NetworkWindow, ...]
+    tcp_retransmit_ratio: float | None  # retransmitted / sent segments; None when none sent
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessWindow:
+    pid: int
+    cpu_usage_ratio: float  # cores: 1.0 is one core busy for the whole window
+    read_bytes_per_second: float | None
+    written_bytes_per_second: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Derived figures over the last ``seconds`` of samples (counters as rates, trends)."""
+
+    start_seconds: float
+    end_seconds: float
+    gpus: tuple[GpuWindow, ...] = ()
+    host: HostWindow | None = None
+    processes: Mapping[int, ProcessWindow] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end_seconds - self.start_seconds

@@ -1,0 +1,68 @@
+"""Shared fixtures: the fake NVML driver, built once per test session."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpubalance.lab.fakenvml import LIBRARY_NAME, build_library, write_state
+
+
+@pytest.fixture(scope="session")
+def fakenvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the fake `libnvidia-ml.so.1`, private to this run."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc builds the fake NVML library: sudo apt-get install gcc")
+    out = tmp_path_factory.mktemp("fakenvml")
+    build_library(out)
+    return out
+
+
+@pytest.fixture
+def fakenvml_env(fakenvml_dir: Path) -> Callable[[str | Path], dict[str, str]]:
+    """Returns env(state_path): the environment for a subprocess on the fake driver."""
+
+    def env(state_path: str | Path) -> dict[str, str]:
+        environ = dict(os.environ)
+        # the loader reads LD_LIBRARY_PATH only at process start, hence subprocesses
+        environ["LD_LIBRARY_PATH"] = str(fakenvml_dir)
+        environ["FAKE_NVML_STATE"] = str(state_path)
+        return environ
+
+    return env
+
+
+@dataclass(frozen=True)
+class FakeNvml:
+    """The in-process fake driver: its state file and the loaded library."""
+
+    state_path: Path
+    lib: ctypes.CDLL
+
+    def write(self, state: Mapping[str, object]) -> None:
+        write_state(self.state_path, state)
+
+
+@pytest.fixture
+def nvml(fakenvml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNvml]:
+    """pynvml initialised on the fake driver with 8 default GPUs."""
+    import pynvml
+
+    state_path = tmp_path / "nvml-state"
+    write_state(state_path, {"device_count": 8})
+    monkeypatch.setenv("FAKE_NVML_STATE", str(state_path))
+    monkeypatch.delenv("FAKE_NVML_RELOAD", raising=False)
+    # glibc matches pynvml's later CDLL("libnvidia-ml.so.1") to this object by SONAME
+    lib = ctypes.CDLL(str(fakenvml_dir / LIBRARY_NAME))
+    pynvml.nvmlInit()
+    assert pynvml.nvmlLib._handle == lib._handle, "pynvml loaded a real NVML library, not the fake"
+    yield FakeNvml(state_path=state_path, lib=lib)
+    with contextlib.suppress(pynvml.NVMLError_Uninitialized):  # the test shut down itself
+        pynvml.nvmlShutdown()

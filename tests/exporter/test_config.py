@@ -1,0 +1,118 @@
+"""A bad configuration is rejected before anything starts, naming file, line, key and type."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpubalance.config import ConfigError, load_section
+from gpubalance.exporter.config import ExporterConfig
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gpubalance.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file() -> None:
+    config = load_section(ExporterConfig, None, "exporter")
+    assert config.listen_address == ("0.0.0.0", 9450)
+    assert config.interval == 1.0
+    assert config.names == "native"
+    assert config.history_length == 302
+
+
+def test_file_values_and_flag_overrides(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "exporter:\n  interval: 2\n  names: dcgm\n  collectors:\n    host: false\n"
+    )
+    config = load_section(
+        ExporterConfig,
+        path,
+        "exporter",
+        {"names": "both", "interval": None, "collectors": {"processes": False}},
+    )
+    assert config.interval == 2.0
+    assert config.names == "both"
+    assert config.collectors == {"host": False, "processes": False}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "exporter:\n  interval: fast\n",
+            "gpubalance.yaml:2: exporter.interval: expected a number, got 'fast'",
+        ),
+        (
+            "exporter:\n  listen: ':9450'\n  history: 3\n",
+            "gpubalance.yaml:3: exporter.history: unknown key",
+        ),
+        (
+            "exporter:\n  names: prometheus\n",
+            "gpubalance.yaml:2: exporter.names: Input should be 'native', 'dcgm' or 'both'",
+        ),
+        (
+            "exporter:\n  collectors:\n    host: 'yes'\n",
+            "gpubalance.yaml:3: exporter.collectors.host: expected true or false, got 'yes'",
+        ),
+        (
+            "exporter:\n  listen: 9450\n",
+            "gpubalance.yaml:2: exporter.listen: expected a string, got 9450",
+        ),
+        ("exporter:\n  listen: 'localhost'\n", "expected HOST:PORT"),
+        (
+            "exporter:\n  interval: 5\n  window: 2\n",
+            "window (2.0 s) must be at least interval (5.0 s)",
+        ),
+        ("exporters:\n  interval: 1\n", "gpubalance.yaml:1: exporters: unknown section"),
+        ("exporter: [1, 2\n", "gpubalance.yaml:2: not valid YAML: expected ',' or ']'"),
+        ("exporter: 3\n", "gpubalance.yaml:1: exporter: expected a mapping"),
+    ],
+)
+def test_bad_config_is_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_section(ExporterConfig, write(tmp_path, text), "exporter")
+    assert message in str(error.value)
+
+
+def test_bad_flag_is_named_as_a_flag() -> None:
+    with pytest.raises(
+        ConfigError, match=r"command line: --interval: Input should be greater than 0"
+    ):
+        load_section(ExporterConfig, None, "exporter", {"interval": -1.0})
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read"):
+        load_section(ExporterConfig, "nope.yaml", "exporter")
+
+
+def test_cli_exits_2_with_one_message(tmp_path: Path) -> None:
+    path = write(tmp_path, "exporter:\n  interval: fast\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubalance", "exporter", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"gpubalance exporter: {path}:2: exporter.interval: expected a number, got 'fast'"
+    )
+
+
+def test_cli_rejects_unknown_collector_in_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "exporter:\n  collectors:\n    gpus: true\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubalance", "exporter", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "unknown collector(s) ['gpus']" in result.stderr

@@ -1,0 +1,124 @@
+"""Test helpers: parse an exposition, drive an exporter process. Importable from any test
+(pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpubalance.lab.fakenvml import write_state
+
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+
+
+@dataclass
+class Metrics:
+    """Parsed exposition: sample name + labels -> value, and family name -> type."""
+
+    text: str
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        metrics = cls(text)
+        # The parser renames a counter's samples to end in _total; keep names as written (the
+        # DCGM profile's counters have no _total).
+        written = {
+            re.split(r"[{ ]", line, maxsplit=1)[0]
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name
+                if name not in written and name.removesuffix("_total") in written:
+                    name = name.removesuffix("_total")
+                metrics.types[name] = family.type
+                metrics.samples[(name, frozenset(sample.labels.items()))] = sample.value
+        return metrics
+
+    def find(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        wanted = set(labels.items())
+        return [
+            (dict(key_labels), value)
+            for (sample_name, key_labels), value in self.samples.items()
+            if sample_name == name and wanted <= key_labels
+        ]
+
+    def value(self, name: str, **labels: str) -> float:
+        found = self.find(name, **labels)
+        assert len(found) == 1, f"{name}{labels}: expected one sample, found {found}"
+        return found[0][1]
+
+    def has(self, name: str, **labels: str) -> bool:
+        return bool(self.find(name, **labels))
+
+
+@dataclass
+class RunningExporter:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    state_path: Path
+
+    def get(self, path: str, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, headers=dict(headers or {}))
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                body = response.read()
+                if response.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                return response.status, body
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def metrics(self, names: str | None = None) -> Metrics:
+        status, body = self.get("/metrics" + (f"?names={names}" if names else ""))
+        assert status == 200, body
+        return Metrics.parse(body.decode())
+
+    def snapshot(self) -> dict[str, Any]:
+        status, body = self.get("/api/v1/snapshot")
+        assert status == 200, body
+        return json.loads(body)
+
+    def write(self, state: Mapping[str, object]) -> None:
+        write_state(self.state_path, state)
+
+    def wait_for(
+        self, check: Callable[[Metrics], bool], timeout: float = 15.0, names: str | None = None
+    ) -> Metrics:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, f"exporter died:\n{self.log()}"
+            metrics = self.metrics(names)
+            if check(metrics):
+                return metrics
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout} s:\n{metrics.text}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
