@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a pipe or a log file: no reason to truncate columns
     deadline = None if duration is None else time.monotonic() + duration
     live = Live(console=console, auto_refresh=False) if console.is_terminal else None
     try:

@@ -179,3 +179,17 @@ def test_dcgm_profile_covers_the_default_counters(fakenvml_env, tmp_path, datace
         assert metrics.value("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", gpu="0") == 3
         assert metrics.value("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", gpu="0") == 1
         assert metrics.value("DCGM_FI_DEV_ROW_REMAP_FAILURE", gpu="0") == 0
+
+
+def test_snapshot_schema_file_is_current() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubalance", "exporter", "--print-schema"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    path = ROOT / "docs" / "snapshot.schema.json"
+    if UPDATE:
+        path.write_text(result.stdout)
+    assert result.stdout == path.read_text(), "rerun with GPUBALANCE_UPDATE_GOLDEN=1 and review"
