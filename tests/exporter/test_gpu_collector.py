@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,21 @@ def calls(lib: ctypes.CDLL, name: str) -> int:
     return int(lib.fakeNvmlCallCount(name.encode()))
 
 
+@pytest.fixture
+def collector(nvml) -> Iterator[GpuCollector]:
+    """A GPU collector on the fake driver, closed (its NVML init released) whatever happens."""
+    made = GpuCollector(NvmlSession())
+    yield made
+    made.close()
+
+
 def sample(collector: GpuCollector) -> SampleParts:
     parts = SampleParts(timestamp_seconds=0.0)
     collector.update(parts)
     return parts
 
 
-def test_not_supported_is_probed_once_per_gpu(nvml) -> None:
+def test_not_supported_is_probed_once_per_gpu(nvml, collector) -> None:
     nvml.write(
         {
             "device_count": 8,
@@ -39,7 +49,6 @@ def test_not_supported_is_probed_once_per_gpu(nvml) -> None:
             "gpu3.err.nvmlDeviceGetPowerUsage": "NOT_SUPPORTED",
         }
     )
-    collector = GpuCollector(NvmlSession())
     nvml.lib.fakeNvmlResetCallCounts()
     for _ in range(5):
         parts = sample(collector)
@@ -49,26 +58,21 @@ def test_not_supported_is_probed_once_per_gpu(nvml) -> None:
     gpus = parts.gpus
     assert all(g.fan_speed_ratio is None and g.supported["fan_speed"] is False for g in gpus)
     assert gpus[3].power_watts is None and gpus[2].power_watts is not None
-    collector.close()
 
 
-def test_reinit_probes_again(nvml) -> None:
+def test_reinit_probes_again(nvml, collector) -> None:
     nvml.write({"device_count": 2, "gpu*.err.nvmlDeviceGetFanSpeed": "NOT_SUPPORTED"})
-    session = NvmlSession()
-    collector = GpuCollector(session)
+    session = collector.session
     sample(collector)
     assert session.devices[0].capabilities["fan_speed"] is Support.UNSUPPORTED
     nvml.write({"device_count": 2})
     session.shutdown()  # as after the driver went away and came back
     parts = sample(collector)
     assert parts.gpus[0].fan_speed_ratio == pytest.approx(0.3)
-    collector.close()
 
 
-def test_transient_error_is_counted_and_retried(nvml) -> None:
+def test_transient_error_is_counted_and_retried(nvml, collector) -> None:
     nvml.write({"device_count": 2, "gpu1.err.nvmlDeviceGetPowerUsage": "UNKNOWN"})
-    session = NvmlSession()
-    collector = GpuCollector(session)
     parts = sample(collector)
     assert parts.gpus[1].power_watts is None
     nvml.write({"device_count": 2})
@@ -76,12 +80,10 @@ def test_transient_error_is_counted_and_retried(nvml) -> None:
     assert parts.gpus[1].power_watts == pytest.approx(30.0)
     assert parts.nvml is not None
     assert parts.nvml.errors_total["nvmlDeviceGetPowerUsage"] == {"UNKNOWN": 1}
-    collector.close()
 
 
-def test_xid_events_count_once_each(nvml) -> None:
+def test_xid_events_count_once_each(nvml, collector) -> None:
     nvml.write({"device_count": 2})
-    collector = GpuCollector(NvmlSession())
     assert sample(collector).gpus[0].xid_errors_total == {}
     nvml.write({"device_count": 2, "gpu0.xid": "79,13,79"})
     gpus = sample(collector).gpus
@@ -89,12 +91,11 @@ def test_xid_events_count_once_each(nvml) -> None:
     assert gpus[0].last_xid == 79
     assert gpus[1].xid_errors_total == {}
     assert sample(collector).gpus[0].xid_errors_total == {79: 2, 13: 1}  # not delivered twice
-    collector.close()
 
 
-def test_utilization_samples_are_time_weighted(nvml) -> None:
+def test_utilization_samples_are_time_weighted(nvml, collector) -> None:
     nvml.write({"device_count": 1, "gpu0.utilization.gpu": 40, "gpu0.sample_period_us": 1000})
-    collector = GpuCollector(NvmlSession())
+    time.sleep(0.005)  # a few sample periods after the change, so the newest carry it
     first = sample(collector).gpus[0]
     # Grid points before the state change carry the old value (the fixture's 0 %).
     values = [v for _, v in first.utilization_samples]
@@ -105,10 +106,9 @@ def test_utilization_samples_are_time_weighted(nvml) -> None:
     assert not later.utilization_samples or (
         later.utilization_samples[0][0] > first.utilization_samples[-1][0]
     )
-    collector.close()
 
 
-def test_processes_without_utilization_samples_read_zero(nvml) -> None:
+def test_processes_without_utilization_samples_read_zero(nvml, collector) -> None:
     nvml.write(
         {
             "device_count": 1,
@@ -116,12 +116,10 @@ def test_processes_without_utilization_samples_read_zero(nvml) -> None:
             "gpu0.procs_util": "100:40:10:0:0",
         }
     )
-    collector = GpuCollector(NvmlSession())
     processes = {p.pid: p for p in sample(collector).gpus[0].processes}
     assert processes[100].sm_utilization_ratio == pytest.approx(0.4)
     assert processes[200].sm_utilization_ratio == 0.0  # NOT_FOUND for it means no samples
     assert processes[200].gpu_memory_used_bytes == 2097152
-    collector.close()
 
 
 def test_exporter_uses_nothing_but_nvml_symbols(fakenvml_env, tmp_path: Path) -> None:
