@@ -245,13 +245,18 @@ class NvmlSession:
 
     # -- devices ---------------------------------------------------------------------------
 
-    def refresh_devices(self) -> None:
-        """Enumerate GPUs; keep known ones by UUID, flag those that disappeared as lost."""
+    def _count(self) -> int | None:
         try:
-            count = pynvml.nvmlDeviceGetCount()
+            return pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
             self._raise_if_session_error(exc)
             self.errors_total[("nvmlDeviceGetCount", error_name(exc))] += 1
+            return None
+
+    def refresh_devices(self, count: int | None = None) -> None:
+        """Enumerate GPUs; keep known ones by UUID, flag those that disappeared as lost."""
+        count = self._count() if count is None else count
+        if count is None:
             return
         self._device_count = count
         now = self._clock()
@@ -319,11 +324,8 @@ class NvmlSession:
 
     def check_topology(self) -> None:
         """Once per sample: pick up hot-added or removed GPUs and re-check lost ones."""
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-        except pynvml.NVMLError as exc:
-            self._raise_if_session_error(exc)
-            self.errors_total[("nvmlDeviceGetCount", error_name(exc))] += 1
+        count = self._count()
+        if count is None:
             return
         now = self._clock()
         recheck = any(
@@ -334,7 +336,7 @@ class NvmlSession:
             for device in self.devices:
                 if device.lost and recheck:
                     device.lost_at = now
-            self.refresh_devices()
+            self.refresh_devices(count)
 
     # -- the one call wrapper --------------------------------------------------------------
 
