@@ -37,6 +37,7 @@ class Sampler:
         self._samples_total = 0
         self._overruns_total = 0
         self._last_errors: dict[str, str | None] = {}
+        self._last_success: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,11 +84,13 @@ class Sampler:
             self._log_change(collector.name, error, logging.ERROR, exc)
         else:
             self._log_change(collector.name, None, logging.INFO)
+            self._last_success[collector.name] = parts.timestamp_seconds
         return CollectorResult(
             name=collector.name,
             success=error is None,
             duration_seconds=time.perf_counter() - started,
             error=error,
+            last_success_timestamp_seconds=self._last_success.get(collector.name),
         )
 
     def _log_change(

@@ -179,6 +179,8 @@ class CollectorResult:
     success: bool
     duration_seconds: float
     error: str | None = None
+    # Unix time of the collector's last successful sample (this one, when it succeeded).
+    last_success_timestamp_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

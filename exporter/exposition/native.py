@@ -406,6 +406,13 @@ def add_self(out: Exposition, view: View) -> None:
             result.duration_seconds,
             labels,
         )
+        out.add(
+            "gpubalance_exporter_collector_last_success_timestamp_seconds",
+            G,
+            "Unix time of the collector's last successful sample.",
+            result.last_success_timestamp_seconds,
+            labels,
+        )
     nvml = sample.nvml
     out.add("gpubalance_nvml_up", G, "1 when NVML is initialised and answering.", nvml.up)
     out.add(

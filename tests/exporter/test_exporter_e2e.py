@@ -255,6 +255,9 @@ def test_nvml_init_failure_keeps_host_metrics_and_recovers(start_exporter, tmp_p
     assert metrics.value("gpubalance_exporter_collector_success", collector="host") == 1
     assert metrics.has("gpubalance_host_cpu_seconds_total")
     assert not metrics.has("gpubalance_gpu_info")
+    last_success = "gpubalance_exporter_collector_last_success_timestamp_seconds"
+    assert not metrics.has(last_success, collector="gpu")  # never succeeded yet
+    assert metrics.value(last_success, collector="host") > 0
     health = json.loads(exporter.get("/healthz")[1])
     assert health["status"] == "ok" and health["nvml_up"] is False
     assert "DRIVER_NOT_LOADED" in health["nvml_error"]

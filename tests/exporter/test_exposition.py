@@ -25,7 +25,8 @@ MIB = 1024 * 1024
 # Values that change from run to run: compared as 0.
 VOLATILE = re.compile(
     r"^(gpubalance_exporter_(?:sample_duration_seconds|collector_duration_seconds|"
-    r"last_sample_timestamp_seconds)(?:\{[^}]*\})?) .*$",
+    r"last_sample_timestamp_seconds|collector_last_success_timestamp_seconds)"
+    r"(?:\{[^}]*\})?) .*$",
     re.MULTILINE,
 )
 
