@@ -19,6 +19,8 @@ from gpubalance.telemetry import (
     NetworkWindow,
     ProcessWindow,
     Sample,
+    ServingSample,
+    ServingWindow,
     Window,
 )
 
@@ -51,6 +53,7 @@ def compute_window(history: Sequence[Sample], seconds: float, trend_seconds: flo
         gpus=tuple(_gpu_window(gpu, recent, trend, end - seconds) for gpu in last.gpus),
         host=_host_window(first.host, last.host, end - first.timestamp_seconds),
         processes=_process_windows(recent),
+        serving=tuple(_serving_window(serving, recent) for serving in last.serving),
     )
 
 
@@ -251,3 +254,70 @@ def _process_windows(recent: Sequence[Sample]) -> dict[int, ProcessWindow]:
             ),
         )
     return windows
+
+
+def _same_worker(sample: Sample, serving: ServingSample) -> ServingSample | None:
+    for other in sample.serving:
+        if other.worker == serving.worker and other.source == serving.source:
+            return other
+    return None
+
+
+def _mean_of_delta(
+    first: ServingSample, last: ServingSample, total: str, count: str
+) -> float | None:
+    """Mean per event over the window from a cumulative sum and count (histogram style)."""
+    values = [getattr(s, name) for s in (first, last) for name in (total, count)]
+    if any(v is None for v in values):
+        return None
+    d_sum, d_count = values[2] - values[0], values[3] - values[1]
+    if d_count <= 0 or d_sum < 0:
+        return None  # nothing happened in the window, or the source restarted
+    return d_sum / d_count
+
+
+def _serving_window(serving: ServingSample, recent: Sequence[Sample]) -> ServingWindow:
+    series = [s for sample in recent if (s := _same_worker(sample, serving)) is not None]
+    first = series[0]
+    depths = [s.queue_depth for s in series if s.queue_depth is not None]
+    elapsed = recent[-1].timestamp_seconds - next(
+        sample.timestamp_seconds for sample in recent if _same_worker(sample, serving) is not None
+    )
+    requests = allocation = None
+    if elapsed > 0 and first is not serving:
+        if (
+            serving.request_duration_seconds_count is not None
+            and first.request_duration_seconds_count is not None
+        ):
+            requests = _rate(
+                serving.request_duration_seconds_count,
+                first.request_duration_seconds_count,
+                elapsed,
+            )
+        if (
+            serving.allocation_failures_total is not None
+            and first.allocation_failures_total is not None
+        ):
+            allocation = _rate(
+                serving.allocation_failures_total, first.allocation_failures_total, elapsed
+            )
+    return ServingWindow(
+        worker=serving.worker,
+        source=serving.source,
+        gpu_index=serving.gpu_index,
+        gpu_uuid=serving.gpu_uuid,
+        service_class=serving.service_class,
+        queue_depth_mean=sum(depths) / len(depths) if depths else None,
+        batch_assembly_delay_seconds=_mean_of_delta(
+            first,
+            serving,
+            "batch_assembly_delay_seconds_sum",
+            "batch_assembly_delay_seconds_count",
+        ),
+        batch_size_mean=_mean_of_delta(first, serving, "batch_size_sum", "batch_size_count"),
+        request_duration_seconds=_mean_of_delta(
+            first, serving, "request_duration_seconds_sum", "request_duration_seconds_count"
+        ),
+        requests_per_second=requests,
+        allocation_failures_per_second=allocation,
+    )

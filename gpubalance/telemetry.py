@@ -172,6 +172,32 @@ class ProcessHostStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ServingSample:
+    """One serving queue in front of a GPU (a worker), as its server reports it.
+
+    Distributions are kept as cumulative sums and counts (as Prometheus histograms and Triton's
+    microsecond counters do), so a window turns them into means without losing anything.
+    """
+
+    source: str  # triton | vllm | tgi | sglang | otlp | lab
+    worker: str
+    gpu_index: int | None = None
+    gpu_uuid: str | None = None
+    service_class: str | None = None
+    up: bool = True
+    queue_depth: float | None = None  # requests waiting for a batch
+    running: float | None = None  # requests in the batch on the GPU
+    batch_assembly_delay_seconds_sum: float | None = None
+    batch_assembly_delay_seconds_count: float | None = None
+    batch_size_sum: float | None = None
+    batch_size_count: float | None = None
+    request_duration_seconds_sum: float | None = None
+    request_duration_seconds_count: float | None = None
+    allocation_failures_total: float | None = None
+    kv_cache_usage_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CollectorResult:
     """How one collector fared in one sample (node_exporter's scrape_collector_* series)."""
 
@@ -208,6 +234,7 @@ class Sample:
     gpus: tuple[GpuSample, ...] = ()
     host: HostSample | None = None
     processes: Mapping[int, ProcessHostStats] = field(default_factory=dict)
+    serving: tuple[ServingSample, ...] = ()
     collectors: tuple[CollectorResult, ...] = ()
 
 
@@ -265,6 +292,21 @@ class ProcessWindow:
 
 
 @dataclass(frozen=True, slots=True)
+class ServingWindow:
+    worker: str
+    source: str
+    gpu_index: int | None
+    gpu_uuid: str | None
+    service_class: str | None
+    queue_depth_mean: float | None  # over the samples of the window
+    batch_assembly_delay_seconds: float | None  # mean per batch over the window
+    batch_size_mean: float | None
+    request_duration_seconds: float | None  # mean per request over the window
+    requests_per_second: float | None
+    allocation_failures_per_second: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Window:
     """Derived figures over the last ``seconds`` of samples (counters as rates, trends)."""
 
@@ -273,6 +315,7 @@ class Window:
     gpus: tuple[GpuWindow, ...] = ()
     host: HostWindow | None = None
     processes: Mapping[int, ProcessWindow] = field(default_factory=dict)
+    serving: tuple[ServingWindow, ...] = ()
 
     @property
     def seconds(self) -> float:

@@ -1,21 +1,47 @@
-"""The GPU-free lab: build the fake NVML driver, run the demo.
+"""The GPU-free lab: a simulated multi-GPU RTX server with ground truth, at two speeds.
 
-`gpubalance lab fakenvml build --out DIR` compiles the fake libnvidia-ml.so.1 with gcc;
-`gpubalance lab demo` runs a skewed 4-GPU RTX box on it with the exporter and a live view.
+`gpubalance lab list` shows the shipped scenarios; `gpubalance lab run SCENARIO` runs one (fast:
+discrete-event, hours in seconds; live: real time, fake NVML driver, real workers, real HAProxy)
+and writes frames.csv, truth.csv and requests.csv; `gpubalance lab demo` runs the live lab with
+the exporter and a live view; `gpubalance lab fakenvml build` compiles the fake driver.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 DEFAULT_BUILD = Path("build") / "fakenvml"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="lab_command", metavar="COMMAND", required=True)
+    sub.add_parser("list", help="the shipped scenarios, one line each")
+    run = sub.add_parser("run", help="run a scenario; write frames, truth and requests")
+    run.add_argument(
+        "scenario",
+        metavar="SCENARIO_OR_FILE",
+        help="a shipped scenario's name (see `lab list`) or a YAML file",
+    )
+    run.add_argument("--speed", choices=("fast", "live"), default="fast")
+    run.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="simulated seconds (default: the scenario's duration_seconds)",
+    )
+    run.add_argument("--seed", type=int, metavar="N", help="default: the scenario's seed")
+    run.add_argument("--out", type=Path, required=True, metavar="DIR")
+    run.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="also write snapshots.jsonl (the exporter's /api/v1/snapshot schema)",
+    )
     fake = sub.add_parser("fakenvml", help="the fake NVML driver")
     fake_sub = fake.add_subparsers(dest="fakenvml_command", metavar="COMMAND", required=True)
     build = fake_sub.add_parser("build", help="compile libnvidia-ml.so.1 with gcc")
@@ -39,6 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lab_command == "list":
+        from gpubalance.lab.scenario import shipped
+
+        for name, description in shipped():
+            print(f"{name:28} {description}")
+        return 0
+    if args.lab_command == "run":
+        return _run(args)
     if args.lab_command == "fakenvml":
         from gpubalance.lab.fakenvml import build_library
 
@@ -59,3 +93,58 @@ def run(args: argparse.Namespace) -> int:
             duration = 20.0
         return run_demo(args.build_dir, duration)
     raise AssertionError(args.lab_command)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gpubalance.config import ConfigError
+    from gpubalance.lab import run as lab_run
+    from gpubalance.lab import scenario
+
+    try:
+        plan = scenario.load(args.scenario)
+    except ConfigError as exc:
+        print(f"gpubalance lab: {exc}", file=sys.stderr)
+        return 2
+    duration = args.duration or plan.scenario.duration_seconds
+    seed = plan.scenario.seed if args.seed is None else args.seed
+    with _progress(duration) as on_sample:
+        summary = lab_run.run(
+            plan,
+            args.speed,
+            duration,
+            seed,
+            args.out,
+            snapshots=args.snapshots,
+            on_sample=on_sample,
+        )
+    outcomes = ", ".join(f"{k} {v}" for k, v in summary.outcomes.items())
+    print(
+        f"{plan.scenario.name}: {summary.requests} requests ({outcomes}), "
+        f"{summary.truth_rows} truth rows -> {summary.out}"
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(duration: float) -> Iterator[Callable[[Any], None] | None]:
+    """A bar over simulated time on a terminal; nothing in pipes and CI."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("simulated {task.completed:.0f}/{task.total:.0f} s"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("run", total=duration)
+        start: list[float] = []
+
+        def on_sample(sample: Any) -> None:
+            if not start:
+                start.append(sample.timestamp_seconds)
+            bar.update(task, completed=sample.timestamp_seconds - start[0])
+
+        yield on_sample

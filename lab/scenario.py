@@ -1,0 +1,431 @@
+"""Scenarios: the YAML files that describe a simulated RTX server, its traffic and its trouble.
+
+Schema and examples: lab/scenarios/README.md. A scenario is checked before anything runs: an
+unknown key, a wrong type or an impossible placement (a model larger than its card) fails with
+the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpubalance.config import ConfigError, Loc, load_yaml, validate
+from gpubalance.lab.catalogue import CARDS, MIB, Card
+from gpubalance.lab.traffic import TrafficSource
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+GIB = 1024 * MIB
+
+Policy = Literal[
+    "round_robin", "weighted_round_robin", "least_connections", "random_of_2", "sticky", "pooled"
+]
+ThrottleReason = Literal[
+    "sw_power_cap",
+    "hw_slowdown",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class HostSpec(_Strict):
+    cores: int = Field(16, ge=1, le=512, description="logical CPUs shared by all workers")
+    disk_mb_per_second: float = Field(2000.0, gt=0, description="storage read bandwidth")
+
+
+class GpuSpec(_Strict):
+    card: str = Field(description="a card of lab/catalogue.py, e.g. 'RTX 4090'")
+    count: int = Field(1, ge=1, le=64)
+    power_limit_watts: float | None = Field(None, gt=0, description="default: the card's TGP")
+
+
+class HardwareSpec(_Strict):
+    host: HostSpec = HostSpec()
+    gpus: list[GpuSpec] = Field(min_length=1)
+
+
+class ModelSpec(_Strict):
+    params_billions: float = Field(gt=0, le=200)
+    bytes_per_param: float = Field(2.0, gt=0, description="2 for FP16/BF16, 1 for INT8")
+    kv_bytes_per_token: int = Field(131072, ge=0, description="KV cache per token of context")
+    overhead_mib: int = Field(1024, ge=0, description="CUDA context, activations, workspace")
+
+    @property
+    def weights_bytes(self) -> int:
+        return int(self.params_billions * 1e9 * self.bytes_per_param)
+
+
+class PreprocessSpec(_Strict):
+    cpu_ms: float = Field(0.0, ge=0, description="host CPU per request (tokenise, decode)")
+    cpu_ms_per_1k_prompt_tokens: float = Field(0.0, ge=0)
+    threads: int = Field(1, ge=1, le=256, description="threads the worker preprocesses with")
+
+
+class WorkerSpec(_Strict):
+    name: str | None = Field(None, description="default w<gpu>, or w<gpu>-<k> with several")
+    gpu: int | list[int] | Literal["all"] = Field(description="GPU index, list, or all")
+    model: str
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    max_queue_delay_ms: float = Field(0.0, ge=0)
+    kv_cache_gib: float | None = Field(None, gt=0, description="default: what the card leaves")
+    preprocess: PreprocessSpec = PreprocessSpec()
+    io_mb_per_request: float = Field(0.0, ge=0, description="data loaded from disk per request")
+    pool: str = "default"
+
+
+class RouterSpec(_Strict):
+    policy: Policy = "round_robin"
+    weights: dict[str, float] = Field(default_factory=dict, description="worker -> weight")
+    pools: dict[str, list[str]] = Field(
+        default_factory=dict, description="service class -> pool name; default: pool 'default'"
+    )
+    queue_timeout_seconds: float = Field(30.0, gt=0, description="pooled: longest wait in queue")
+
+
+class ThrottleEvent(_Strict):
+    gpu: int
+    clock_ratio: float = Field(gt=0, le=1)
+    reason: ThrottleReason = "sw_thermal_slowdown"
+
+
+class PreprocessEvent(_Strict):
+    worker: str
+    cpu_ms: float | None = Field(None, ge=0)
+    cpu_ms_per_1k_prompt_tokens: float | None = Field(None, ge=0)
+
+
+class GpuLostEvent(_Strict):
+    gpu: int
+
+
+class WorkerCrashEvent(_Strict):
+    worker: str
+    restart_after_seconds: float | None = Field(None, gt=0, description="default: stays down")
+
+
+class DiskEvent(_Strict):
+    disk_mb_per_second: float = Field(gt=0)
+
+
+class WeightsEvent(_Strict):
+    weights: dict[str, float]
+
+
+class Event(_Strict):
+    at: float = Field(ge=0, description="seconds since the start")
+    throttle: ThrottleEvent | None = None
+    preprocess: PreprocessEvent | None = None
+    gpu_lost: GpuLostEvent | None = None
+    worker_crash: WorkerCrashEvent | None = None
+    disk: DiskEvent | None = None
+    router: WeightsEvent | None = None
+
+    @model_validator(mode="after")
+    def _one_action(self) -> Event:
+        actions = [k for k in ACTIONS if getattr(self, k) is not None]
+        if len(actions) != 1:
+            raise ValueError(f"an event has exactly one of {', '.join(ACTIONS)}; got {actions}")
+        return self
+
+    @property
+    def action(self) -> str:
+        return next(k for k in ACTIONS if getattr(self, k) is not None)
+
+
+ACTIONS = ("throttle", "preprocess", "gpu_lost", "worker_crash", "disk", "router")
+
+
+class Scenario(_Strict):
+    name: str
+    description: str
+    duration_seconds: float = Field(600.0, gt=0)
+    seed: int = 1
+    interval_seconds: float = Field(1.0, gt=0, le=60, description="telemetry sample period")
+    truth_window_seconds: float = Field(30.0, gt=0, description="ground-truth window")
+    hardware: HardwareSpec
+    models: dict[str, ModelSpec] = Field(min_length=1)
+    workers: list[WorkerSpec] = Field(min_length=1)
+    router: RouterSpec = RouterSpec()
+    traffic: list[TrafficSource] = Field(min_length=1)
+    events: list[Event] = Field(default_factory=list)
+
+
+# -- the resolved plan both speeds run --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedGpu:
+    index: int
+    card: Card
+    uuid: str
+    pci_bus_id: str
+    power_limit_watts: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWorker:
+    name: str
+    index: int
+    gpu: int
+    model: ModelSpec
+    model_name: str
+    max_batch_size: int
+    max_queue_delay_seconds: float
+    kv_cache_bytes: int
+    preprocess: PreprocessSpec
+    io_mb_per_request: float
+    pool: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    scenario: Scenario
+    source: str  # file the scenario came from
+    gpus: tuple[PlannedGpu, ...]
+    workers: tuple[PlannedWorker, ...]
+
+    def pool_of(self, service_class: str) -> str:
+        return self.scenario.router.pools.get(service_class, "default")
+
+    def workers_in(self, pool: str) -> tuple[PlannedWorker, ...]:
+        return tuple(w for w in self.workers if w.pool == pool)
+
+
+def _fail(source: str, lines: dict[Loc, int], loc: Loc, message: str) -> ConfigError:
+    line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+    where = f"{source}:{line}" if line else source
+    return ConfigError(f"{where}: {'.'.join(str(p) for p in loc)}: {message}")
+
+
+def plan(
+    scenario: Scenario, source: str = "(scenario)", lines: dict[Loc, int] | None = None
+) -> Plan:
+    """Resolve GPUs and workers and check what the schema alone cannot (references, fit)."""
+    lines = lines or {}
+    gpus: list[PlannedGpu] = []
+    for i, spec in enumerate(scenario.hardware.gpus):
+        if spec.card not in CARDS:
+            raise _fail(
+                source,
+                lines,
+                ("hardware", "gpus", i, "card"),
+                f"unknown card {spec.card!r}; known: {', '.join(CARDS)}",
+            )
+        card = CARDS[spec.card]
+        for _ in range(spec.count):
+            index = len(gpus)
+            gpus.append(
+                PlannedGpu(
+                    index=index,
+                    card=card,
+                    uuid=f"GPU-{index:08x}-{card.pci_device_id:04x}-4c2d-9e3f-{index:012d}",
+                    pci_bus_id=f"00000000:{index + 1:02X}:00.0",
+                    power_limit_watts=spec.power_limit_watts or card.power_limit_watts,
+                )
+            )
+    workers: list[PlannedWorker] = []
+    for i, spec in enumerate(scenario.workers):
+        loc = ("workers", i)
+        if spec.model not in scenario.models:
+            raise _fail(
+                source,
+                lines,
+                (*loc, "model"),
+                f"unknown model {spec.model!r}; defined: {', '.join(scenario.models)}",
+            )
+        targets = (
+            list(range(len(gpus)))
+            if spec.gpu == "all"
+            else ([spec.gpu] if isinstance(spec.gpu, int) else list(spec.gpu))
+        )
+        for gpu in targets:
+            if not 0 <= gpu < len(gpus):
+                raise _fail(
+                    source,
+                    lines,
+                    (*loc, "gpu"),
+                    f"GPU {gpu} does not exist (the scenario has {len(gpus)})",
+                )
+        if spec.name is not None and len(targets) > 1:
+            raise _fail(source, lines, (*loc, "name"), "a name needs a single gpu")
+        for gpu in targets:
+            workers.append(
+                PlannedWorker(
+                    name=spec.name or f"w{gpu}",
+                    index=len(workers),
+                    gpu=gpu,
+                    model=scenario.models[spec.model],
+                    model_name=spec.model,
+                    max_batch_size=spec.max_batch_size,
+                    max_queue_delay_seconds=spec.max_queue_delay_ms / 1000.0,
+                    kv_cache_bytes=0,  # filled below, once all workers of the GPU are known
+                    preprocess=spec.preprocess,
+                    io_mb_per_request=spec.io_mb_per_request,
+                    pool=spec.pool,
+                )
+            )
+    workers = _name_and_size(workers, gpus, scenario, source, lines)
+    _check_references(scenario, workers, len(gpus), source, lines)
+    return Plan(scenario=scenario, source=source, gpus=tuple(gpus), workers=tuple(workers))
+
+
+def _name_and_size(
+    workers: list[PlannedWorker],
+    gpus: list[PlannedGpu],
+    scenario: Scenario,
+    source: str,
+    lines: dict[Loc, int],
+) -> list[PlannedWorker]:
+    names: dict[str, int] = {}
+    for w in workers:
+        names[w.name] = names.get(w.name, 0) + 1
+    seen: dict[str, int] = {}
+    renamed = []
+    for w in workers:
+        if names[w.name] > 1:
+            seen[w.name] = seen.get(w.name, 0) + 1
+            w = replace(w, name=f"{w.name}-{seen[w.name] - 1}")
+        renamed.append(w)
+    if len({w.name for w in renamed}) != len(renamed):
+        raise _fail(source, lines, ("workers",), "worker names must be unique")
+    sized = []
+    spec_of = _spec_index(scenario)
+    for gpu in gpus:
+        mine = [w for w in renamed if w.gpu == gpu.index]
+        fixed = sum(w.model.weights_bytes + w.model.overhead_mib * MIB for w in mine)
+        if fixed > gpu.card.memory_total_bytes:
+            first = spec_of[mine[0].index]
+            raise _fail(
+                source,
+                lines,
+                ("workers", first, "model"),
+                f"impossible placement: {len(mine)} worker(s) need {fixed / GIB:.1f} GiB for "
+                f"weights on GPU {gpu.index} ({gpu.card.model}, "
+                f"{gpu.card.memory_total_bytes / GIB:.1f} GiB)",
+            )
+        left = gpu.card.memory_total_bytes - fixed
+        default_kv = left // max(len(mine), 1)
+        wanted = [
+            int(scenario.workers[spec_of[w.index]].kv_cache_gib * GIB)
+            if scenario.workers[spec_of[w.index]].kv_cache_gib
+            else default_kv
+            for w in mine
+        ]
+        if sum(wanted) > left:
+            raise _fail(
+                source,
+                lines,
+                ("workers", spec_of[mine[0].index], "kv_cache_gib"),
+                f"impossible placement: KV caches of {sum(wanted) / GIB:.1f} GiB do not "
+                f"fit the {left / GIB:.1f} GiB left on GPU {gpu.index}",
+            )
+        sized += [replace(w, kv_cache_bytes=kv) for w, kv in zip(mine, wanted, strict=True)]
+    return sorted(sized, key=lambda w: w.index)
+
+
+def _spec_index(scenario: Scenario) -> dict[int, int]:
+    """Planned worker index -> index of the `workers:` entry it came from."""
+    mapping, n = {}, 0
+    gpu_count = sum(g.count for g in scenario.hardware.gpus)
+    for i, spec in enumerate(scenario.workers):
+        if spec.gpu == "all":
+            count = gpu_count
+        else:
+            count = 1 if isinstance(spec.gpu, int) else len(spec.gpu)
+        for _ in range(count):
+            mapping[n] = i
+            n += 1
+    return mapping
+
+
+def _check_references(
+    scenario: Scenario,
+    workers: list[PlannedWorker],
+    gpu_count: int,
+    source: str,
+    lines: dict[Loc, int],
+) -> None:
+    names = {w.name for w in workers}
+    pools = {w.pool for w in workers}
+    router = scenario.router
+    for name in router.weights:
+        if name not in names:
+            raise _fail(source, lines, ("router", "weights", name), f"no worker named {name!r}")
+    for service_class, pool in router.pools.items():
+        if pool not in pools:
+            raise _fail(
+                source,
+                lines,
+                ("router", "pools", service_class),
+                f"no worker in pool {pool!r}; pools: {', '.join(sorted(pools))}",
+            )
+    classes = {t.service_class for t in scenario.traffic}
+    for service_class in classes:
+        if router.pools.get(service_class, "default") not in pools:
+            raise _fail(
+                source,
+                lines,
+                ("router", "pools"),
+                f"traffic of class {service_class!r} has no pool: map it in router.pools "
+                f"or put workers in pool 'default'",
+            )
+    if len({t.name for t in scenario.traffic}) != len(scenario.traffic):
+        raise _fail(source, lines, ("traffic",), "traffic source names must be unique")
+    for i, event in enumerate(scenario.events):
+        body = getattr(event, event.action)
+        loc = ("events", i, event.action)
+        if hasattr(body, "gpu") and not 0 <= body.gpu < gpu_count:
+            raise _fail(source, lines, (*loc, "gpu"), f"GPU {body.gpu} does not exist")
+        if hasattr(body, "worker") and body.worker not in names:
+            raise _fail(source, lines, (*loc, "worker"), f"no worker named {body.worker!r}")
+        if event.action == "router":
+            for name in body.weights:
+                if name not in names:
+                    raise _fail(source, lines, (*loc, "weights", name), f"no worker named {name!r}")
+        if event.at >= scenario.duration_seconds:
+            raise _fail(
+                source,
+                lines,
+                ("events", i, "at"),
+                f"at {event.at} s is after the end ({scenario.duration_seconds} s)",
+            )
+
+
+# -- finding and loading -----------------------------------------------------------------------
+
+
+def scenario_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    shipped = SCENARIOS / f"{name_or_path}.yaml"
+    if not shipped.exists():
+        known = ", ".join(p.stem for p in sorted(SCENARIOS.glob("*.yaml")))
+        raise ConfigError(f"no scenario named {name_or_path!r}; shipped: {known}")
+    return shipped
+
+
+def load(name_or_path: str) -> Plan:
+    """Load, validate and resolve a shipped scenario (by name) or a YAML file."""
+    path = scenario_path(name_or_path)
+    data, lines = load_yaml(path)
+    scenario = validate(Scenario, data, source=str(path), lines=lines)
+    return plan(scenario, str(path), lines)
+
+
+def shipped() -> list[tuple[str, str]]:
+    """(name, description) of every scenario in lab/scenarios/."""
+    result = []
+    for path in sorted(SCENARIOS.glob("*.yaml")):
+        data: Any
+        data, _ = load_yaml(path)
+        result.append((path.stem, str((data or {}).get("description", ""))))
+    return result

@@ -1,0 +1,526 @@
+"""Ground truth: the state and cause of every GPU in every window, from the model's own
+quantities, never from what the telemetry shows.
+
+It is a function of the scenario and its request stream alone (no simulation dynamics, no
+realized queue), so the fast and the live speed, which send the same requests, get identical
+truth. The rules are written out in lab/scenarios/README.md, "Ground truth"; the constants
+below are the thresholds named there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpubalance.lab.model.service import ServiceModel
+from gpubalance.lab.routing import sticky_target
+from gpubalance.lab.scenario import Plan, PlannedWorker
+from gpubalance.lab.workload import Request
+
+OVERLOADED_RHO = 0.85  # the GPU needs this share of the window or more: queues build
+STARVED_RHO = 0.30  # the GPU needs less than this share: it idles most of the window
+BUSY_PEER_RHO = 0.60  # a peer this busy means the work exists but went elsewhere
+THROTTLED_CLOCK = 0.90  # mean clock ratio at or below this counts as throttled
+SLOW_CARD_COST = 1.25  # a card this much slower per request than its pool's fastest
+MEMORY_RATIO = 0.80  # a full batch of the window's mean request needs this share of KV
+MEMORY_BUSY_RHO = 0.50  # ... while the worker is busy enough to fill batches
+INTERFERENCE_COST = 4.0  # batch-class requests this much costlier than interactive ones
+INTERFERENCE_SHARE = 0.25  # ... making up this share of the worker's work
+BATCH_IDLE_SHARE = 0.50  # GPU idle while requests wait for their batch to fill
+DOWN_SHARE = 0.50  # a worker down this share of the window starves its GPU
+CAPACITY_AWARE = frozenset({"least_connections", "random_of_2", "pooled"})
+
+STATES = ("starved", "overloaded", "balanced")
+CAUSES = (
+    "none",
+    "routing_skew",
+    "slow_card",
+    "host_bound",
+    "io_bound",
+    "memory_pressure",
+    "throttling",
+    "batch_delay",
+    "class_interference",
+    "capacity_shortage",
+    "low_demand",
+    "worker_crash",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TruthRow:
+    t_start: float
+    t_end: float
+    gpu: int
+    state: str
+    cause: str
+    # evidence, written to truth_evidence.csv
+    rho: float
+    rho_unthrottled: float
+    clock_ratio: float
+    cpu_limited: bool
+    io_limited: bool
+    memory_ratio: float
+    batch_idle_share: float
+    share_of_pool_work: float
+    capacity_share: float
+
+
+class _Timeline:
+    """Scenario state at any time: clock ratios, worker availability, weights, preprocessing."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        scenario = plan.scenario
+        self.events = sorted(scenario.events, key=lambda e: e.at)
+        self.duration = scenario.duration_seconds
+
+    def clock_ratio(self, gpu: int, start: float, end: float) -> float:
+        """Time-weighted mean clock ratio of ``gpu`` over [start, end)."""
+        points = [(0.0, 1.0)] + [
+            (e.at, e.throttle.clock_ratio)
+            for e in self.events
+            if e.throttle is not None and e.throttle.gpu == gpu
+        ]
+        return _time_weighted(points, start, end)
+
+    def lost_at(self, gpu: int) -> float | None:
+        return next((e.at for e in self.events if e.gpu_lost and e.gpu_lost.gpu == gpu), None)
+
+    def up_share(self, worker: PlannedWorker, start: float, end: float) -> float:
+        points = [(0.0, 1.0)]
+        for e in self.events:
+            if e.worker_crash is not None and e.worker_crash.worker == worker.name:
+                points.append((e.at, 0.0))
+                if e.worker_crash.restart_after_seconds is not None:
+                    points.append((e.at + e.worker_crash.restart_after_seconds, 1.0))
+            if e.gpu_lost is not None and e.gpu_lost.gpu == worker.gpu:
+                points.append((e.at, 0.0))
+                points.append((math.inf, 0.0))
+        points.sort(key=lambda p: p[0])
+        # once the GPU is lost the worker never comes back
+        lost = self.lost_at(worker.gpu)
+        if lost is not None:
+            points = [p for p in points if p[0] < lost] + [(lost, 0.0)]
+        return _time_weighted(points, start, end)
+
+    def at(self, t: float) -> dict[str, object]:
+        """Weights, preprocessing and disk bandwidth in force at time ``t``."""
+        scenario = self.plan.scenario
+        weights = dict(scenario.router.weights)
+        cpu = {
+            w.name: (w.preprocess.cpu_ms, w.preprocess.cpu_ms_per_1k_prompt_tokens)
+            for w in self.plan.workers
+        }
+        disk = scenario.hardware.host.disk_mb_per_second
+        for e in self.events:
+            if e.at > t:
+                break
+            if e.router is not None:
+                weights.update(e.router.weights)
+            if e.preprocess is not None:
+                ms, per_1k = cpu[e.preprocess.worker]
+                cpu[e.preprocess.worker] = (
+                    ms if e.preprocess.cpu_ms is None else e.preprocess.cpu_ms,
+                    per_1k
+                    if e.preprocess.cpu_ms_per_1k_prompt_tokens is None
+                    else e.preprocess.cpu_ms_per_1k_prompt_tokens,
+                )
+            if e.disk is not None:
+                disk = e.disk.disk_mb_per_second
+        return {"weights": weights, "cpu": cpu, "disk": disk}
+
+
+def _time_weighted(points: list[tuple[float, float]], start: float, end: float) -> float:
+    """Mean over [start, end) of a step function given as sorted (time, value) changes."""
+    total = 0.0
+    for i, (t, value) in enumerate(points):
+        nxt = points[i + 1][0] if i + 1 < len(points) else math.inf
+        lo, hi = max(t, start), min(nxt, end)
+        if hi > lo:
+            total += value * (hi - lo)
+    return total / (end - start)
+
+
+def compute(plan: Plan, requests: Sequence[Request], duration_seconds: float) -> list[TruthRow]:
+    scenario = plan.scenario
+    width = scenario.truth_window_seconds
+    timeline = _Timeline(plan)
+    workers = plan.workers
+    models = {w.name: ServiceModel(plan.gpus[w.gpu].card, w.model.params_billions) for w in workers}
+    arrival = np.array([r.arrival_seconds for r in requests])
+    prompt = np.array([r.prompt_tokens for r in requests], dtype=float)
+    output = np.array([r.output_tokens for r in requests], dtype=float)
+    is_batch = np.array([r.service_class == "batch" for r in requests], dtype=bool)
+    # per worker, per request: its share of a full batch, prefill and decode seconds
+    costs = {
+        w.name: models[w.name].request_cost_seconds(w.max_batch_size, prompt, output)
+        for w in workers
+    }
+    rows: list[TruthRow] = []
+    n_windows = math.ceil(duration_seconds / width - 1e-9)
+    for k in range(n_windows):
+        start, end = k * width, min((k + 1) * width, duration_seconds)
+        if end - start < width / 2:
+            break  # a stub window at the end says little: leave it out
+        index = np.nonzero((arrival >= start) & (arrival < end))[0]
+        rows += _window(
+            plan, timeline, requests, index, costs, models, prompt, output, is_batch, start, end
+        )
+    return rows
+
+
+@dataclass
+class _WorkerLoad:
+    prefill: float = 0.0  # GPU seconds at full batches, unthrottled
+    decode: float = 0.0
+    requests: float = 0.0
+    cpu_seconds: float = 0.0
+    io_mb: float = 0.0
+    kv_bytes: float = 0.0
+    interactive_cost: float = 0.0
+    interactive_n: float = 0.0
+    batch_cost: float = 0.0
+    batch_n: float = 0.0
+
+
+def _window(
+    plan: Plan,
+    timeline: _Timeline,
+    requests: Sequence[Request],
+    index: np.ndarray,
+    costs: dict[str, tuple[np.ndarray, np.ndarray]],
+    models: dict[str, ServiceModel],
+    prompt: np.ndarray,
+    output: np.ndarray,
+    is_batch: np.ndarray,
+    start: float,
+    end: float,
+) -> list[TruthRow]:
+    scenario = plan.scenario
+    width = end - start
+    state = timeline.at((start + end) / 2)
+    weights: dict[str, float] = state["weights"]  # type: ignore[assignment]
+    cpu_params: dict[str, tuple[float, float]] = state["cpu"]  # type: ignore[assignment]
+    disk_mb_s: float = state["disk"]  # type: ignore[assignment]
+    policy = scenario.router.policy
+    up = {w.name: timeline.up_share(w, start, end) for w in plan.workers}
+    clock = {g.index: timeline.clock_ratio(g.index, start, end) for g in plan.gpus}
+    loads = {w.name: _WorkerLoad() for w in plan.workers}
+
+    def cost_of(worker: PlannedWorker, ids: np.ndarray) -> tuple[float, float]:
+        # Static batching: a batch decodes until its longest request is done, so decode costs
+        # what the expected longest of a full batch costs, not the mean.
+        prefill, decode = costs[worker.name]
+        mean = float(output[ids].mean())
+        inflation = expected_max(output[ids], worker.max_batch_size) / mean if mean else 1.0
+        return float(prefill[ids].sum()), float(decode[ids].sum()) * inflation
+
+    for pool_name in sorted({w.pool for w in plan.workers}):
+        pool = plan.workers_in(pool_name)
+        in_pool = [
+            i for i in index.tolist() if plan.pool_of(requests[i].service_class) == pool_name
+        ]
+        if not in_pool:
+            continue
+        ids = np.array(in_pool)
+        live = [w for w in pool if up[w.name] > 0 and weights.get(w.name, 1.0) > 0]
+        if not live:
+            continue
+        groups: list[tuple[np.ndarray, dict[str, float]]] = []
+        if policy == "sticky":
+            names = [w.name for w in pool]
+            by_target: dict[str, list[int]] = {}
+            loose: list[int] = []
+            for i in in_pool:
+                session = requests[i].session
+                if session is None:
+                    loose.append(i)
+                    continue
+                target = sticky_target(session, names)
+                if up.get(target, 0.0) >= DOWN_SHARE:
+                    by_target.setdefault(target, []).append(i)
+                else:
+                    loose.append(i)
+            for target, members in by_target.items():
+                groups.append((np.array(members), {target: 1.0}))
+            if loose:
+                groups.append((np.array(loose), _even(live, up)))
+        elif policy == "weighted_round_robin":
+            total = sum(weights.get(w.name, 1.0) * up[w.name] for w in live)
+            groups.append(
+                (ids, {w.name: weights.get(w.name, 1.0) * up[w.name] / total for w in live})
+            )
+        elif policy in CAPACITY_AWARE:
+            # these policies steer work to whoever drains it: the share follows capacity
+            capacity = {}
+            for w in live:
+                prefill, decode = cost_of(w, ids)
+                c = clock[w.gpu]
+                per_request = (prefill / c + decode / math.sqrt(c)) / len(ids)
+                capacity[w.name] = up[w.name] / per_request
+            total = sum(capacity.values())
+            groups.append((ids, {n: v / total for n, v in capacity.items()}))
+        else:
+            groups.append((ids, _even(live, up)))
+        by_name = {w.name: w for w in plan.workers}
+        for members, shares in groups:
+            batch_class = is_batch[members]
+            for name, share in shares.items():
+                worker = by_name[name]
+                load = loads[name]
+                prefill, decode = cost_of(worker, members)
+                load.prefill += share * prefill
+                load.decode += share * decode
+                load.requests += share * len(members)
+                ms, per_1k = cpu_params[name]
+                load.cpu_seconds += (
+                    share
+                    * (ms * len(members) + per_1k * float(prompt[members].sum()) / 1000)
+                    / 1000
+                )
+                load.io_mb += share * worker.io_mb_per_request * len(members)
+                load.kv_bytes += (
+                    share
+                    * float((prompt[members] + output[members]).sum())
+                    * worker.model.kv_bytes_per_token
+                )
+                each = costs[name][0][members] + costs[name][1][members]
+                load.batch_cost += share * float(each[batch_class].sum())
+                load.batch_n += share * int(batch_class.sum())
+                load.interactive_cost += share * float(each[~batch_class].sum())
+                load.interactive_n += share * int((~batch_class).sum())
+    return _judge(
+        plan,
+        loads,
+        up,
+        clock,
+        disk_mb_s,
+        models,
+        prompt,
+        output,
+        index,
+        start,
+        end,
+        width,
+        policy,
+        timeline,
+    )
+
+
+def expected_max(values: np.ndarray, draws: int) -> float:
+    """E[max of ``draws`` picks] from the empirical distribution of ``values``."""
+    if len(values) == 0:
+        return 0.0
+    ordered = np.sort(values)
+    n = len(ordered)
+    cdf = np.arange(1, n + 1) / n
+    weights = cdf**draws - (cdf - 1 / n) ** draws
+    return float((ordered * weights).sum())
+
+
+def _even(live: Sequence[PlannedWorker], up: dict[str, float]) -> dict[str, float]:
+    total = sum(up[w.name] for w in live)
+    return {w.name: up[w.name] / total for w in live}
+
+
+def _judge(
+    plan: Plan,
+    loads: dict[str, _WorkerLoad],
+    up: dict[str, float],
+    clock: dict[int, float],
+    disk_mb_s: float,
+    models: dict[str, ServiceModel],
+    prompt: np.ndarray,
+    output: np.ndarray,
+    index: np.ndarray,
+    start: float,
+    end: float,
+    width: float,
+    policy: str,
+    timeline: _Timeline,
+) -> list[TruthRow]:
+    cores = plan.scenario.hardware.host.cores
+    threads_total = sum(w.preprocess.threads for w in plan.workers)
+    disk_seconds = sum(load.io_mb for load in loads.values()) / disk_mb_s
+    io_factor = min(1.0, width / disk_seconds) if disk_seconds > 0 else 1.0
+    per_gpu: dict[int, dict[str, float]] = {}
+    for gpu in plan.gpus:
+        lost = timeline.lost_at(gpu.index)
+        if lost is not None and lost < end:
+            continue  # a lost GPU has no truth from the window it was lost in
+        c = clock[gpu.index]
+        rho = rho_free = 0.0
+        cpu_limited = io_limited = memory = interference = False
+        memory_ratio = batch_idle = 0.0
+        down = 0.0
+        for w in (w for w in plan.workers if w.gpu == gpu.index):
+            load = loads[w.name]
+            cpu_capacity = (
+                width
+                * up[w.name]
+                * min(
+                    w.preprocess.threads, cores * w.preprocess.threads / max(threads_total, cores)
+                )
+            )
+            cpu_factor = min(1.0, cpu_capacity / load.cpu_seconds) if load.cpu_seconds else 1.0
+            factor = cpu_factor
+            if w.io_mb_per_request > 0:
+                factor = min(factor, io_factor)
+                io_limited |= io_factor < 1.0
+            cpu_limited |= cpu_factor < 1.0
+            work = load.prefill / c + load.decode / math.sqrt(c)
+            rho += factor * work / width
+            rho_free += factor * (load.prefill + load.decode) / width
+            down = max(down, 1.0 - up[w.name])
+            if load.requests > 0:
+                mean_kv = load.kv_bytes / load.requests
+                ratio = w.max_batch_size * mean_kv / w.kv_cache_bytes if w.kv_cache_bytes else 1.0
+                memory_ratio = max(memory_ratio, ratio)
+                w_rho = factor * work / width
+                if ratio >= MEMORY_RATIO and w_rho >= MEMORY_BUSY_RHO:
+                    memory = True
+                batch_idle = max(batch_idle, _batch_idle_share(w, load, models[w.name], width, c))
+                if load.batch_n and load.interactive_n:
+                    b_cost = load.batch_cost / load.batch_n
+                    i_cost = load.interactive_cost / load.interactive_n
+                    total = load.batch_cost + load.interactive_cost
+                    if (
+                        b_cost >= INTERFERENCE_COST * i_cost
+                        and (load.batch_cost / total >= INTERFERENCE_SHARE)
+                        and w_rho >= STARVED_RHO
+                    ):
+                        interference = True
+        per_gpu[gpu.index] = {
+            "rho": rho,
+            "rho_free": rho_free,
+            "clock": c,
+            "cpu": cpu_limited,
+            "io": io_limited,
+            "memory": memory,
+            "memory_ratio": memory_ratio,
+            "batch_idle": batch_idle,
+            "interference": interference,
+            "down": down,
+        }
+    # pool-level figures: share of work against share of capacity, fastest card
+    rows = []
+    all_rho = [v["rho"] for v in per_gpu.values()]
+    for gpu in plan.gpus:
+        if gpu.index not in per_gpu:
+            continue
+        v = per_gpu[gpu.index]
+        share, capacity_share, slow, busy_peer = _pool_view(
+            plan, gpu.index, per_gpu, loads, models, prompt, output, index
+        )
+        state, cause = _classify(v, all_rho, share, capacity_share, slow, busy_peer, policy)
+        rows.append(
+            TruthRow(
+                t_start=start,
+                t_end=end,
+                gpu=gpu.index,
+                state=state,
+                cause=cause,
+                rho=round(v["rho"], 4),
+                rho_unthrottled=round(v["rho_free"], 4),
+                clock_ratio=round(v["clock"], 4),
+                cpu_limited=bool(v["cpu"]),
+                io_limited=bool(v["io"]),
+                memory_ratio=round(v["memory_ratio"], 4),
+                batch_idle_share=round(v["batch_idle"], 4),
+                share_of_pool_work=round(share, 4),
+                capacity_share=round(capacity_share, 4),
+            )
+        )
+    return rows
+
+
+def _batch_idle_share(
+    worker: PlannedWorker, load: _WorkerLoad, model: ServiceModel, width: float, clock: float
+) -> float:
+    """Share of a batch cycle the GPU idles while requests wait for the batch to fill."""
+    delay = worker.max_queue_delay_seconds
+    rate = load.requests / width
+    if delay <= 0 or rate <= 0:
+        return 0.0
+    fill = (worker.max_batch_size - 1) / rate
+    wait = min(delay, fill)
+    batch = max(1, min(worker.max_batch_size, round(1 + rate * wait)))
+    per_request = (load.prefill + load.decode) / load.requests * worker.max_batch_size
+    # a batch of ``batch`` takes about as long as a full one per request would, scaled
+    busy = per_request * batch / worker.max_batch_size / clock
+    return wait / (wait + busy) if wait + busy > 0 else 0.0
+
+
+def _pool_view(
+    plan: Plan,
+    gpu: int,
+    per_gpu: dict[int, dict[str, float]],
+    loads: dict[str, _WorkerLoad],
+    models: dict[str, ServiceModel],
+    prompt: np.ndarray,
+    output: np.ndarray,
+    index: np.ndarray,
+) -> tuple[float, float, bool, bool]:
+    pools = {w.pool for w in plan.workers if w.gpu == gpu}
+    peers = sorted({w.gpu for w in plan.workers if w.pool in pools and w.gpu in per_gpu})
+    if not peers:
+        return 0.0, 0.0, False, False
+    sample_p = prompt[index] if len(index) else np.array([512.0])
+    sample_o = output[index] if len(index) else np.array([128.0])
+    cost = {}
+    for g in peers:
+        w = next(w for w in plan.workers if w.gpu == g and w.pool in pools)
+        a, d = models[w.name].request_cost_seconds(w.max_batch_size, sample_p, sample_o)
+        c = per_gpu[g]["clock"]
+        cost[g] = float((a / c + d / math.sqrt(c)).mean())
+    capacity = {g: 1.0 / cost[g] for g in peers}
+    work = {g: sum(loads[w.name].requests for w in plan.workers if w.gpu == g) for g in peers}
+    total_work = sum(work.values())
+    share = work[gpu] / total_work if total_work else 0.0
+    capacity_share = capacity[gpu] / sum(capacity.values())
+    slow = cost[gpu] >= SLOW_CARD_COST * min(cost.values())
+    busy_peer = any(per_gpu[g]["rho"] >= BUSY_PEER_RHO for g in peers if g != gpu)
+    return share, capacity_share, slow, busy_peer
+
+
+def _classify(
+    v: dict[str, float],
+    all_rho: list[float],
+    share: float,
+    capacity_share: float,
+    slow: bool,
+    busy_peer: bool,
+    policy: str,
+) -> tuple[str, str]:
+    rho = v["rho"]
+    if rho >= OVERLOADED_RHO or v["memory"] or v["interference"]:
+        if v["memory"]:
+            return "overloaded", "memory_pressure"
+        if v["clock"] <= THROTTLED_CLOCK and v["rho_free"] < OVERLOADED_RHO:
+            return "overloaded", "throttling"
+        if v["interference"] and rho < OVERLOADED_RHO:
+            return "overloaded", "class_interference"
+        if all(r >= OVERLOADED_RHO for r in all_rho):
+            return "overloaded", "capacity_shortage"
+        if slow and policy not in CAPACITY_AWARE:
+            return "overloaded", "slow_card"
+        if v["interference"]:
+            return "overloaded", "class_interference"
+        return "overloaded", "routing_skew"
+    if rho < STARVED_RHO:
+        if v["down"] >= DOWN_SHARE:
+            return "starved", "worker_crash"
+        if v["cpu"]:
+            return "starved", "host_bound"
+        if v["io"]:
+            return "starved", "io_bound"
+        if v["batch_idle"] >= BATCH_IDLE_SHARE:
+            return "starved", "batch_delay"
+        if busy_peer:
+            return "starved", "routing_skew"
+        return "starved", "low_demand"
+    return "balanced", "none"
