@@ -52,18 +52,21 @@ class Exposition:
         help: str,
         value: float | bool | None,
         labels: Labels | None = None,
+        sample: str | None = None,
     ) -> None:
-        """Add one sample; ``None`` (unsupported, unknown) adds nothing."""
+        """Add one sample; ``None`` (unsupported, unknown) adds nothing. ``sample`` names a
+        sample that differs from its family (a histogram's ``_bucket``, ``_sum``, ``_count``)."""
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = _Family(kind, help)
         if value is None:
             return
+        sample = sample or name
         if labels:
             label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
-            family.lines.append(f"{name}{{{label_text}}} {format_value(float(value))}\n")
+            family.lines.append(f"{sample}{{{label_text}}} {format_value(float(value))}\n")
         else:
-            family.lines.append(f"{name} {format_value(float(value))}\n")
+            family.lines.append(f"{sample} {format_value(float(value))}\n")
 
     def names(self) -> list[str]:
         return [name for name, family in self._families.items() if family.lines]

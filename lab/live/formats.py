@@ -1,0 +1,169 @@
+"""The live workers' /metrics, in the exposition formats of real serving stacks.
+
+- ``vllm``: vLLM's V1 engine metrics (``vllm/v1/metrics/loggers.py``, about v0.10): labels
+  ``model_name`` and ``engine``; counters end in ``_total``.
+- ``triton``: Triton Inference Server 2.x (``docs/user_guide/metrics.md``): labels ``model`` and
+  ``version``; execution metrics of a GPU instance also carry ``gpu_uuid``; latencies are
+  cumulative microsecond counters; avg batch size is inference count / execution count.
+
+The names, types and labels follow those servers, so the exporter's serving adapters parse a
+lab worker as they parse the real thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from gpubalance.exporter.exposition.text import Exposition, format_value
+
+G, C, H = "gauge", "counter", "histogram"
+
+
+class _Histogram(Protocol):
+    buckets: tuple[float, ...]
+    counts: list[int]
+    sum: float
+    count: int
+
+
+def _histogram(
+    out: Exposition, name: str, help_text: str, h: _Histogram, labels: dict[str, str]
+) -> None:
+    out.add(name, H, help_text, None)
+    for bound, count in zip(h.buckets, h.counts, strict=True):
+        out.add(name, H, "", count, {**labels, "le": format_value(bound)}, f"{name}_bucket")
+    out.add(name, H, "", h.count, {**labels, "le": "+Inf"}, f"{name}_bucket")
+    out.add(name, H, "", h.sum, labels, f"{name}_sum")
+    out.add(name, H, "", h.count, labels, f"{name}_count")
+
+
+def vllm(worker: Any) -> Exposition:
+    out = Exposition()
+    labels = {"model_name": worker.config.model_name, "engine": "0"}
+    out.add(
+        "vllm:num_requests_running",
+        G,
+        "Number of requests in model execution batches.",
+        worker.running,
+        labels,
+    )
+    out.add(
+        "vllm:num_requests_waiting",
+        G,
+        "Number of requests waiting to be processed.",
+        len(worker.queue),
+        labels,
+    )
+    capacity = worker.config.kv_cache_bytes
+    out.add(
+        "vllm:kv_cache_usage_perc",
+        G,
+        "KV-cache usage. 1 means 100 percent usage.",
+        worker.kv.used_bytes / capacity if capacity else 0.0,
+        labels,
+    )
+    out.add(
+        "vllm:num_preemptions_total",
+        C,
+        "Cumulative number of preemption from the engine.",
+        worker.allocation_failures,
+        labels,
+    )
+    out.add(
+        "vllm:request_success_total",
+        C,
+        "Count of successfully processed requests.",
+        worker.requests_done,
+        {**labels, "finished_reason": "stop"},
+    )
+    _histogram(
+        out,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        worker.queue_time,
+        labels,
+    )
+    _histogram(
+        out,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        worker.latency,
+        labels,
+    )
+    return out
+
+
+def triton(worker: Any) -> Exposition:
+    out = Exposition()
+    model = {"model": worker.config.model_name, "version": "1"}
+    instance = {**model, "gpu_uuid": worker.config.gpu_uuid}
+    out.add(
+        "nv_inference_request_success",
+        C,
+        "Number of successful inference requests, all batch sizes",
+        worker.requests_done,
+        instance,
+    )
+    for reason, value in (
+        ("REJECTED", worker.rejected),
+        ("CANCELED", 0),
+        ("BACKEND", worker.allocation_failures),
+        ("OTHER", 0),
+    ):
+        out.add(
+            "nv_inference_request_failure",
+            C,
+            "Number of failed inference requests, all batch sizes",
+            value,
+            {**instance, "reason": reason},
+        )
+    out.add(
+        "nv_inference_count",
+        C,
+        "Number of inferences performed (does not include cached requests)",
+        worker.batch_size_sum,
+        instance,
+    )
+    out.add(
+        "nv_inference_exec_count",
+        C,
+        "Number of model executions performed (does not include cached requests)",
+        worker.batches,
+        instance,
+    )
+    out.add(
+        "nv_inference_request_duration_us",
+        C,
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+        round(worker.request_duration_sum * 1e6),
+        instance,
+    )
+    out.add(
+        "nv_inference_queue_duration_us",
+        C,
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+        round(worker.queue_time.sum * 1e6),
+        instance,
+    )
+    out.add(
+        "nv_inference_compute_infer_duration_us",
+        C,
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        round(worker.busy_seconds * 1e6),
+        instance,
+    )
+    out.add(
+        "nv_inference_pending_request_count",
+        G,
+        "Instantaneous number of pending requests awaiting execution per-model.",
+        len(worker.queue),
+        model,
+    )
+    return out
+
+
+FORMATS = {"vllm": vllm, "triton": triton}
+
+
+def render_metrics(name: str, worker: Any) -> str:
+    return FORMATS[name](worker).render().decode()

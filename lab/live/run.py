@@ -1,0 +1,556 @@
+"""The live speed: the lab's server in real time, as real processes a real exporter can read.
+
+One process per worker (lab/live/worker.py: HTTP, batching, a GPU held for the service model's
+time), a real HAProxy in front (lab/live/haproxy.py), the request stream sent as real HTTP on
+schedule (lab/live/loadgen.py). The orchestrator polls the workers, turns their counts into
+sensor readings (lab/figures.py) and writes them where an exporter reads a server: the fake NVML
+driver's state file (the workers' real PIDs listed under their GPU) and a procfs tree
+(lab/live/procfs.py), so host-bound behaviour does not depend on this machine's real CPU load.
+Scenario events are applied on time: throttles and preprocessing changes through the workers'
+control endpoint, a lost GPU in the driver state, a crashed worker killed (and restarted),
+weights through HAProxy's runtime API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gpubalance.lab.catalogue import CARDS
+from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
+from gpubalance.lab.figures import DRIVER_VERSION, RESERVED_BYTES, Telemetry, WorkerFigures
+from gpubalance.lab.live import haproxy
+from gpubalance.lab.live.loadgen import send_all
+from gpubalance.lab.live.procfs import write_procfs
+from gpubalance.lab.live.worker import Shared, WorkerConfig, config_json
+from gpubalance.lab.live.worker import main as worker_main
+from gpubalance.lab.routing import sticky_target
+from gpubalance.lab.scenario import Event, Plan, PlannedWorker
+from gpubalance.lab.workload import Request, RequestRecord
+from gpubalance.telemetry import Sample
+
+log = logging.getLogger(__name__)
+
+STATE_PERIOD_SECONDS = 0.25  # how often the driver state and procfs tree are rewritten
+BUILD_DIR = Path("build") / "fakenvml"
+# HAProxy weights are integers 0..256: the lab's float weights are scaled to this maximum
+MAX_WEIGHT = 100
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_dir() -> Path:
+    # tmpfs keeps the 4-per-second rewrites of the state file and procfs tree cheap
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="gpubalance-lab-", dir=base))
+
+
+@dataclass
+class Exporter:
+    """An exporter process reading the live lab, for the demo and the tests."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+
+@dataclass
+class LiveLab:
+    plan: Plan
+    requests: Sequence[Request]
+    duration_seconds: float
+    on_sample: Callable[[Sample], None] | None = None
+    start_exporter: bool = False
+    exporter_args: Sequence[str] = ()
+    run_dir: Path = field(default_factory=_run_dir)
+    build_dir: Path = BUILD_DIR
+    metrics_formats: Sequence[str] = ("vllm", "triton")
+    on_ready: Callable[[LiveLab], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        host = self.plan.scenario.hardware.host
+        self.shared = Shared(
+            cores=self.ctx.Semaphore(host.cores),
+            disk=self.ctx.Lock(),
+            disk_mb_per_second=self.ctx.Value("d", host.disk_mb_per_second),
+            engines=[self.ctx.Lock() for _ in self.plan.gpus],
+        )
+        self.configs = {w.name: self._config(w) for w in self.plan.workers}
+        self.processes: dict[str, Any] = {}
+        self.created: dict[str, float] = {}
+        self.state_path = self.run_dir / "nvml.state"
+        self.procfs = self.run_dir / "proc"
+        self.clock = {g.index: (1.0, None) for g in self.plan.gpus}
+        self.lost: set[int] = set()
+        self.down: set[str] = set()
+        self.telemetry = Telemetry(self.plan, "lab", time.time())
+        self.frames: list[dict[str, object]] = []
+        self.boot_time = math.floor(time.time()) - 86400
+        self.exporter: Exporter | None = None
+        self.frontend_port = free_port()
+        self._carry: dict[str, WorkerFigures] = {}  # counts of crashed workers
+        self._figures: dict[str, WorkerFigures] = {}
+        self.last_sample: Sample | None = None
+
+    def _config(self, w: PlannedWorker) -> WorkerConfig:
+        gpu = self.plan.gpus[w.gpu]
+        return WorkerConfig(
+            name=w.name,
+            index=w.index,
+            gpu=w.gpu,
+            gpu_uuid=gpu.uuid,
+            card=next(k for k, v in CARDS.items() if v is gpu.card),
+            model_name=w.model_name,
+            params_billions=w.model.params_billions,
+            kv_bytes_per_token=w.model.kv_bytes_per_token,
+            kv_cache_bytes=w.kv_cache_bytes,
+            weights_bytes=w.model.weights_bytes,
+            max_batch_size=w.max_batch_size,
+            max_queue_delay_seconds=w.max_queue_delay_seconds,
+            cpu_ms=w.preprocess.cpu_ms,
+            cpu_ms_per_1k=w.preprocess.cpu_ms_per_1k_prompt_tokens,
+            threads=w.preprocess.threads,
+            io_mb_per_request=w.io_mb_per_request,
+            port=free_port(),
+            metrics_format=self.metrics_formats[w.index % len(self.metrics_formats)],
+        )
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def _spawn(self, name: str) -> None:
+        process = self.ctx.Process(
+            target=worker_main,
+            args=(config_json(self.configs[name]), self.shared),
+            name=f"lab-{name}",
+            daemon=True,
+        )
+        process.start()
+        self.processes[name] = process
+        self.created[name] = time.time()
+
+    async def _wait_ready(self, session: aiohttp.ClientSession, names: Sequence[str]) -> None:
+        deadline = time.monotonic() + 60
+        for name in names:
+            url = f"http://127.0.0.1:{self.configs[name].port}/healthz"
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with session.get(url) as resp:
+                        if resp.status == 200:
+                            break
+                if not self.processes[name].is_alive():
+                    raise RuntimeError(f"worker {name} exited during start-up")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {name} did not answer within 60 s")
+                await asyncio.sleep(0.05)
+
+    def _haproxy_config(self) -> haproxy.HaproxyConfig:
+        router = self.plan.scenario.router
+        policy = {"weighted_round_robin": "round_robin"}.get(router.policy, router.policy)
+        top = max([*router.weights.values(), 1.0])
+        backends = []
+        for pool in sorted({w.pool for w in self.plan.workers}):
+            servers = tuple(
+                haproxy.Server(
+                    name=w.name,
+                    host="127.0.0.1",
+                    port=self.configs[w.name].port,
+                    weight=round(router.weights.get(w.name, 1.0) / top * MAX_WEIGHT),
+                    maxconn=w.max_batch_size if policy == "pooled" else None,
+                )
+                for w in self.plan.workers_in(pool)
+            )
+            backends.append(
+                haproxy.Backend(
+                    name=f"be_{pool}",
+                    servers=servers,
+                    policy=policy,
+                    queue_timeout_seconds=router.queue_timeout_seconds,
+                    health_check_path="/healthz",
+                )
+            )
+        routes = {cls: f"be_{pool}" for cls, pool in router.pools.items()}
+        default = (
+            "be_default" if any(b.name == "be_default" for b in backends) else backends[0].name
+        )
+        return haproxy.HaproxyConfig(
+            frontends=(
+                haproxy.Frontend(
+                    name="fe_lab", port=self.frontend_port, default_backend=default, routes=routes
+                ),
+            ),
+            backends=tuple(backends),
+            run_dir=self.run_dir,
+        )
+
+    def _start_exporter(self, library_dir: Path) -> Exporter:
+        port = free_port()
+        log_path = self.run_dir / "exporter.log"
+        env = {
+            **os.environ,
+            "LD_LIBRARY_PATH": str(library_dir),
+            "FAKE_NVML_STATE": str(self.state_path),
+        }
+        with log_path.open("wb") as out:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpubalance",
+                    "exporter",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--procfs",
+                    str(self.procfs),
+                    "--hostname",
+                    self.plan.scenario.name,
+                    *self.exporter_args,
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return Exporter(process, f"http://127.0.0.1:{port}", log_path)
+
+    # -- the state the exporter reads -----------------------------------------------------------
+
+    async def _poll(self, session: aiohttp.ClientSession) -> dict[str, WorkerFigures]:
+        async def one(name: str) -> WorkerFigures:
+            previous = self._figures.get(name)
+            if name not in self.down:
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    url = f"http://127.0.0.1:{self.configs[name].port}/state"
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        return self._figures_from(name, await resp.json())
+            # down (crashed, or not answering): its counters hold, nothing runs
+            if previous is None:
+                previous = WorkerFigures(
+                    name, 0, False, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0.0, 0
+                )
+            return replace(
+                previous, up=False, queue_depth=0, running=0, in_flight=0, kv_used_bytes=0
+            )
+
+        results = await asyncio.gather(*(one(w.name) for w in self.plan.workers))
+        self._figures = {f.name: f for f in results}
+        return self._figures
+
+    def _figures_from(self, name: str, data: dict[str, Any]) -> WorkerFigures:
+        # A restarted worker counts from zero; what its GPU and queue did before the crash
+        # carries over (process figures, CPU time and bytes read, start again: a new process).
+        base = self._carry.get(name)
+
+        def total(key: str, attr: str) -> float:
+            return data[key] + (getattr(base, attr) if base is not None else 0.0)
+
+        return WorkerFigures(
+            name=name,
+            pid=int(data["pid"]),
+            up=bool(data["up"]),
+            busy_seconds=total("busy_seconds", "busy_seconds"),
+            queue_depth=data["queue_depth"],
+            running=data["running"],
+            in_flight=data["in_flight"],
+            kv_used_bytes=data["kv_used_bytes"],
+            cpu_seconds=data["cpu_seconds"],
+            read_bytes=data["read_bytes"],
+            batches=int(total("batches", "batches")),
+            batch_size_sum=total("batch_size_sum", "batch_size_sum"),
+            batch_delay_sum=total("batch_delay_sum", "batch_delay_sum"),
+            requests_done=int(total("requests_done", "requests_done")),
+            request_duration_sum=total("request_duration_sum", "request_duration_sum"),
+            allocation_failures=int(total("allocation_failures", "allocation_failures")),
+            cpu_wait_seconds=total("cpu_wait_seconds", "cpu_wait_seconds"),
+            disk_wait_seconds=total("disk_wait_seconds", "disk_wait_seconds"),
+            disk_busy_seconds=total("disk_busy_seconds", "disk_busy_seconds"),
+            create_time_seconds=self.created[name],
+        )
+
+    def _write_state(self, figures: dict[str, WorkerFigures]) -> None:
+        state: dict[str, object] = {
+            "device_count": len(self.plan.gpus),
+            "driver_version": DRIVER_VERSION,
+        }
+        for gpu in self.plan.gpus:
+            p = f"gpu{gpu.index}."
+            card = gpu.card
+            state.update(
+                {
+                    p + "name": card.model,
+                    p + "uuid": gpu.uuid,
+                    p + "pci.bus_id": gpu.pci_bus_id,
+                    p + "pci.device_id": f"0x{card.pci_device_id:04X}10DE",
+                    p + "cuda_cc": card.cuda_cc,
+                    p + "memory.total": card.memory_total_bytes,
+                    p + "memory.reserved": RESERVED_BYTES,
+                    p + "power.limit": int(gpu.power_limit_watts * 1000),
+                    p + "power.default_limit": int(card.power_limit_watts * 1000),
+                    p + "clock.max.sm": card.max_sm_clock_mhz,
+                    p + "clock.max.graphics": card.max_sm_clock_mhz,
+                    p + "clock.max.mem": card.memory_clock_mhz,
+                }
+            )
+            if gpu.index in self.lost:
+                state[p + "lost"] = 1
+                continue
+            reading = self.telemetry.readings.get(gpu.index)
+            mine = [w for w in self.plan.workers if w.gpu == gpu.index]
+            live = [w for w in mine if figures[w.name].up and figures[w.name].pid]
+            util = reading.utilization_ratio if reading else 0.0
+            mask = sum(THROTTLE_REASONS[r] for r in reading.throttle_reasons) if reading else 1
+            state.update(
+                {
+                    p + "utilization.gpu": round(100 * util),
+                    p + "utilization.memory": round(60 * util),
+                    p + "memory.used": sum(
+                        w.model.weights_bytes
+                        + w.model.overhead_mib * 1024 * 1024
+                        + figures[w.name].kv_used_bytes
+                        for w in live
+                    ),
+                    p + "temp.gpu": round(reading.temperature_celsius) if reading else 35,
+                    p + "power.usage": int(reading.power_watts * 1000) if reading else 25000,
+                    p + "energy": int(reading.energy_joules_total * 1000) if reading else 0,
+                    p + "clock.sm": round(reading.sm_clock_mhz) if reading else 210,
+                    p + "clock.graphics": round(reading.sm_clock_mhz) if reading else 210,
+                    p + "clock.mem": round(reading.memory_clock_mhz) if reading else 405,
+                    p + "throttle_reasons": mask,
+                    p + "fan.speed": round(100 * reading.fan_speed_ratio) if reading else 30,
+                    p + "pcie.tx": round(4000 * util),
+                    p + "pcie.rx": round(20000 * util),
+                    p + "procs": [
+                        (figures[w.name].pid, w.model.weights_bytes + figures[w.name].kv_used_bytes)
+                        for w in live
+                    ],
+                    p + "procs_util": [
+                        (
+                            figures[w.name].pid,
+                            round(100 * util / len(live)),
+                            round(60 * util / len(live)),
+                            0,
+                            0,
+                        )
+                        for w in live
+                    ],
+                }
+            )
+        write_state(self.state_path, state)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def _apply(
+        self, event: Event, session: aiohttp.ClientSession, api: haproxy.RuntimeApi
+    ) -> None:
+        async def control(name: str, body: dict[str, Any]) -> None:
+            if name in self.down:
+                return
+            url = f"http://127.0.0.1:{self.configs[name].port}/control"
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.post(url, json=body) as resp:
+                    await resp.read()
+
+        if event.throttle is not None:
+            gpu = event.throttle.gpu
+            self.clock[gpu] = (event.throttle.clock_ratio, event.throttle.reason)
+            for w in self.plan.workers:
+                if w.gpu == gpu:
+                    await control(w.name, {"clock_ratio": event.throttle.clock_ratio})
+        elif event.preprocess is not None:
+            await control(
+                event.preprocess.worker,
+                {
+                    "cpu_ms": event.preprocess.cpu_ms,
+                    "cpu_ms_per_1k": event.preprocess.cpu_ms_per_1k_prompt_tokens,
+                },
+            )
+        elif event.gpu_lost is not None:
+            self.lost.add(event.gpu_lost.gpu)
+            for w in self.plan.workers:
+                if w.gpu == event.gpu_lost.gpu:
+                    await control(w.name, {"fail": "gpu_lost"})
+        elif event.worker_crash is not None:
+            name = event.worker_crash.worker
+            self._crash(name)
+            if event.worker_crash.restart_after_seconds is not None:
+                await asyncio.sleep(event.worker_crash.restart_after_seconds)
+                if self.plan.workers[self._index(name)].gpu not in self.lost:
+                    self._spawn(name)
+                    await self._wait_ready(session, [name])
+                    self.down.discard(name)
+        elif event.disk is not None:
+            self.shared.disk_mb_per_second.value = event.disk.disk_mb_per_second
+        elif event.router is not None:
+            top = max([*self.plan.scenario.router.weights.values(), 1.0])
+            for name, weight in event.router.weights.items():
+                w = self.plan.workers[self._index(name)]
+                await asyncio.to_thread(
+                    api.set_weight, f"be_{w.pool}", name, round(weight / top * MAX_WEIGHT)
+                )
+
+    def _index(self, name: str) -> int:
+        return next(w.index for w in self.plan.workers if w.name == name)
+
+    def _crash(self, name: str) -> None:
+        """Kill the worker process outright, as a crash would; its counters carry over."""
+        process = self.processes.get(name)
+        figures = self._figures.get(name)
+        if figures is not None:
+            self._carry[name] = figures
+        self.down.add(name)
+        if process is not None and process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(5)
+
+    # -- the run --------------------------------------------------------------------------------
+
+    async def run(
+        self, cookie_for: Callable[[Request], str | None] | None = None
+    ) -> tuple[list[RequestRecord], list[dict[str, object]]]:
+        library_dir = build_library(self.build_dir).parent
+        for name in self.configs:
+            self._spawn(name)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await self._wait_ready(session, list(self.configs))
+                figures = await self._poll(session)
+                self.last_sample, _ = self.telemetry.sample(
+                    STATE_PERIOD_SECONDS, STATE_PERIOD_SECONDS, figures, {}, self.clock, self.lost
+                )
+                self._write_state(figures)
+                self._write_procfs()
+                if self.start_exporter:
+                    self.exporter = self._start_exporter(library_dir)
+                config = self._haproxy_config()
+                with haproxy.HaproxyProcess(config) as balancer:
+                    api = haproxy.RuntimeApi(config.socket_path)
+                    if self.on_ready is not None:
+                        self.on_ready(self)
+                    origin = time.monotonic()
+                    self.telemetry.origin = time.time()
+                    stop = asyncio.Event()
+                    loops = [
+                        asyncio.create_task(self._state_loop(session, origin, stop)),
+                        *(
+                            asyncio.create_task(self._event_at(e, origin, session, api))
+                            for e in sorted(self.plan.scenario.events, key=lambda e: e.at)
+                        ),
+                    ]
+                    result = await send_all(
+                        [r for r in self.requests if r.arrival_seconds < self.duration_seconds],
+                        f"http://127.0.0.1:{self.frontend_port}",
+                        clock_origin=origin,
+                        cookie_for=cookie_for or self._cookie_for(config),
+                    )
+                    stop.set()
+                    for task in loops:
+                        task.cancel()
+                    await asyncio.gather(*loops, return_exceptions=True)
+                    del balancer
+        finally:
+            self._stop()
+        return result.records, self.frames
+
+    def _cookie_for(self, config: haproxy.HaproxyConfig) -> Callable[[Request], str | None]:
+        if self.plan.scenario.router.policy != "sticky":
+            return lambda request: None
+        pools = {w.pool: [x.name for x in self.plan.workers_in(w.pool)] for w in self.plan.workers}
+
+        def cookie(request: Request) -> str | None:
+            if request.session is None:
+                return None
+            return sticky_target(request.session, pools[self.plan.pool_of(request.service_class)])
+
+        return cookie
+
+    async def _event_at(
+        self, event: Event, origin: float, session: aiohttp.ClientSession, api: haproxy.RuntimeApi
+    ) -> None:
+        await asyncio.sleep(max(0.0, origin + event.at - time.monotonic()))
+        await self._apply(event, session, api)
+
+    async def _state_loop(
+        self, session: aiohttp.ClientSession, origin: float, stop: asyncio.Event
+    ) -> None:
+        interval = self.plan.scenario.interval_seconds
+        last_sample = 0.0
+        last_busy: dict[int, float] = {}
+        tick = 0
+        while not stop.is_set():
+            tick += 1
+            await asyncio.sleep(max(0.0, origin + tick * STATE_PERIOD_SECONDS - time.monotonic()))
+            now = time.monotonic() - origin
+            figures = await self._poll(session)
+            if now - last_sample >= interval - 1e-6 or not self.frames:
+                busy = {}
+                for gpu in self.plan.gpus:
+                    total = sum(
+                        figures[w.name].busy_seconds
+                        for w in self.plan.workers
+                        if w.gpu == gpu.index
+                    )
+                    busy[gpu.index] = max(0.0, total - last_busy.get(gpu.index, 0.0))
+                    last_busy[gpu.index] = total
+                period = now - last_sample if self.frames else now
+                sample, frames = self.telemetry.sample(
+                    now, period, figures, busy, self.clock, self.lost
+                )
+                self.last_sample = sample
+                last_sample = now
+                self.frames.extend(frames)
+                if self.on_sample is not None:
+                    self.on_sample(sample)
+                self._write_procfs()
+            self._write_state(figures)
+
+    def _write_procfs(self) -> None:
+        sample = self.last_sample
+        if sample is not None and sample.host is not None:
+            write_procfs(
+                self.procfs, sample.host, sample.processes, boot_time_seconds=self.boot_time
+            )
+
+    def _stop(self) -> None:
+        if self.exporter is not None and self.exporter.process.poll() is None:
+            self.exporter.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.exporter.process.wait(timeout=10)
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes.values():
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+def run_live(
+    plan: Plan,
+    requests: Sequence[Request],
+    seed: int,
+    duration_seconds: float,
+    out: Path,
+    on_sample: Callable[[Sample], None] | None = None,
+    **options: Any,
+) -> tuple[list[RequestRecord], list[dict[str, object]]]:
+    lab = LiveLab(plan, requests, duration_seconds, on_sample, **options)
+    return asyncio.run(lab.run())

@@ -1,0 +1,359 @@
+"""A live-speed worker: one real process per simulated serving worker, an HTTP server that
+batches requests and holds its simulated GPU for as long as the lab's service model says.
+
+Same model as the fast speed (lab/model): preprocessing on the host's shared cores (at most
+``threads`` at a time for this worker), data loading from the shared disk, a dynamic batcher
+(max batch size, max queue delay), a KV region with fragmentation, static batching whose
+requests finish after their own last token. Host cores, the disk and each GPU are shared
+between worker processes through multiprocessing primitives the orchestrator hands over.
+
+Endpoints: ``POST /infer`` (the load generator's contract, see lab/live/loadgen.py),
+``GET /metrics`` (the serving stack's own metrics, in vLLM's or Triton's exposition format),
+``GET /state`` (cumulative figures for the orchestrator), ``POST /control`` (scenario events),
+``GET /healthz`` (HAProxy's health check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gpubalance.lab.catalogue import CARDS
+from gpubalance.lab.live.formats import render_metrics
+from gpubalance.lab.model.memory import AllocationFailed, KvRegion
+from gpubalance.lab.model.service import ServiceModel
+
+# Buckets of the queue-time and latency histograms the worker serves (seconds).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    index: int
+    gpu: int
+    gpu_uuid: str
+    card: str
+    model_name: str
+    params_billions: float
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    max_batch_size: int
+    max_queue_delay_seconds: float
+    cpu_ms: float
+    cpu_ms_per_1k: float
+    threads: int
+    io_mb_per_request: float
+    port: int
+    metrics_format: str = "vllm"  # vllm | triton
+    host: str = "127.0.0.1"
+
+
+@dataclass
+class Shared:
+    """Cross-process primitives: host cores, the disk and its bandwidth, one lock per GPU."""
+
+    cores: Any  # multiprocessing Semaphore
+    disk: Any  # multiprocessing Lock
+    disk_mb_per_second: Any  # multiprocessing Value("d")
+    engines: list[Any]  # multiprocessing Lock per GPU
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, shared: Shared) -> None:
+        self.config = config
+        self.shared = shared
+        self.service = ServiceModel(CARDS[config.card], config.params_billions)
+        self.kv = KvRegion(config.kv_cache_bytes)
+        self.cpu_ms, self.cpu_ms_per_1k = config.cpu_ms, config.cpu_ms_per_1k
+        self.clock_ratio = 1.0
+        self.up = True
+        self.down_reason = ""
+        # (prompt tokens, output tokens, enqueued at (time.time), future of the reply)
+        self.queue: deque[tuple[int, int, float, asyncio.Future[Any]]] = deque()
+        self.current: list[asyncio.Future[Any]] = []  # replies of the batch on the GPU
+        self.wake = asyncio.Event()
+        self.threads = asyncio.Semaphore(config.threads)
+        self.disk_turn = asyncio.Lock()  # one of ours at a time waits for the shared disk
+        # blocking waits on the cross-process primitives run here, off the event loop
+        self.executor = ThreadPoolExecutor(max_workers=config.threads + 2)
+        self.in_flight = 0
+        self.running = 0
+        self.batch_started: float | None = None
+        # cumulative figures
+        self.busy_seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.read_bytes = 0.0
+        self.batches = 0
+        self.batch_size_sum = 0.0
+        self.batch_delay_sum = 0.0
+        self.requests_done = 0
+        self.request_duration_sum = 0.0
+        self.allocation_failures = 0
+        self.rejected = 0
+        self.cpu_wait_seconds = 0.0  # waiting for a host core (PSI cpu "some")
+        self.disk_wait_seconds = 0.0  # waiting for the disk (PSI io)
+        self.disk_busy_seconds = 0.0
+        self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/infer", self.infer)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/state", self.state)
+        app.router.add_post("/control", self.control)
+        app.router.add_get("/healthz", self.healthz)
+        return app
+
+    async def infer(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            rid = int(body["id"])
+            prompt, output = int(body["prompt_tokens"]), int(body["output_tokens"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+        if not self.up:
+            self.rejected += 1
+            return web.json_response({"id": rid, "reason": self.down_reason}, status=503)
+        arrived = time.time()
+        self.in_flight += 1
+        try:
+            await self._prepare(prompt)
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self.queue.append((prompt, output, time.time(), future))
+            self.wake.set()
+            result = await future
+        finally:
+            self.in_flight -= 1
+        if result.get("reason"):
+            return web.json_response({"id": rid, **result}, status=503)
+        self.requests_done += 1
+        self.request_duration_sum += result["finished_at"] - arrived
+        self.latency.observe(result["finished_at"] - arrived)
+        return web.json_response(
+            {"id": rid, "gpu": self.config.gpu, "worker": self.config.name, **result}
+        )
+
+    async def _prepare(self, prompt_tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        cpu = (self.cpu_ms + self.cpu_ms_per_1k * prompt_tokens / 1000) / 1000
+        if cpu > 0:
+            async with self.threads:
+                asked = time.monotonic()
+                await loop.run_in_executor(self.executor, self.shared.cores.acquire)
+                self.cpu_wait_seconds += time.monotonic() - asked
+                try:
+                    await asyncio.sleep(cpu)
+                    self.cpu_seconds += cpu
+                finally:
+                    self.shared.cores.release()
+        io_mb = self.config.io_mb_per_request
+        if io_mb > 0:
+            asked = time.monotonic()
+            async with self.disk_turn:
+                await loop.run_in_executor(self.executor, self.shared.disk.acquire)
+                self.disk_wait_seconds += time.monotonic() - asked
+                try:
+                    seconds = io_mb / self.shared.disk_mb_per_second.value
+                    await asyncio.sleep(seconds)
+                    self.disk_busy_seconds += seconds
+                    self.read_bytes += io_mb * 1024 * 1024
+                finally:
+                    self.shared.disk.release()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self.config.metrics_format, self)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    def figures(self) -> dict[str, Any]:
+        busy = self.busy_seconds
+        if self.batch_started is not None:
+            busy += time.monotonic() - self.batch_started
+        return {
+            "name": self.config.name,
+            "pid": os.getpid(),
+            "up": self.up,
+            "busy_seconds": busy,
+            "queue_depth": len(self.queue),
+            "running": self.running,
+            "in_flight": self.in_flight,
+            "kv_used_bytes": self.kv.used_bytes,
+            "cpu_seconds": self.cpu_seconds,
+            "read_bytes": self.read_bytes,
+            "batches": self.batches,
+            "batch_size_sum": self.batch_size_sum,
+            "batch_delay_sum": self.batch_delay_sum,
+            "requests_done": self.requests_done,
+            "request_duration_sum": self.request_duration_sum,
+            "allocation_failures": self.allocation_failures,
+            "clock_ratio": self.clock_ratio,
+            "cpu_wait_seconds": self.cpu_wait_seconds,
+            "disk_wait_seconds": self.disk_wait_seconds,
+            "disk_busy_seconds": self.disk_busy_seconds,
+        }
+
+    async def state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.figures())
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text="ok\n" if self.up else f"{self.down_reason}\n", status=200 if self.up else 503
+        )
+
+    async def control(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "clock_ratio" in body:
+            self.clock_ratio = float(body["clock_ratio"])
+        if body.get("cpu_ms") is not None:
+            self.cpu_ms = float(body["cpu_ms"])
+        if body.get("cpu_ms_per_1k") is not None:
+            self.cpu_ms_per_1k = float(body["cpu_ms_per_1k"])
+        if body.get("fail"):
+            self._fail(str(body["fail"]))
+        return web.json_response(self.figures())
+
+    def _fail(self, reason: str) -> None:
+        """The GPU is gone: everything queued or running is answered 503, nothing new taken."""
+        self.up, self.down_reason = False, reason
+        while self.queue:
+            *_, future = self.queue.popleft()
+            if not future.done():
+                future.set_result({"reason": reason})
+        for future in self.current:
+            if not future.done():
+                future.set_result({"reason": reason})
+        self.wake.set()
+
+    # -- the batcher --------------------------------------------------------------------------
+
+    async def batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.max_batch_size
+        max_delay = self.config.max_queue_delay_seconds
+        engine = self.shared.engines[self.config.gpu]
+        while True:
+            if not self.queue or not self.up:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            while len(self.queue) < limit and max_delay > 0 and self.up:
+                wait = self.queue[0][2] + max_delay - time.time()
+                if wait <= 0:
+                    break
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), wait)
+            if not self.queue or not self.up:
+                continue
+            await loop.run_in_executor(self.executor, engine.acquire)
+            try:
+                await self._run_batch(limit)
+            finally:
+                engine.release()
+
+    async def _run_batch(self, limit: int) -> None:
+        if not self.up or not self.queue:
+            return
+        loop = asyncio.get_running_loop()
+        started = time.time()
+        taken = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
+        admitted = []
+        for prompt, output, enqueued, future in taken:
+            need = (prompt + output) * self.config.kv_bytes_per_token
+            try:
+                admitted.append((prompt, output, enqueued, future, self.kv.allocate(need)))
+            except AllocationFailed:
+                self.allocation_failures += 1
+                future.set_result({"reason": "oom"})
+        if not admitted:
+            return
+        busy, finishes = self.service.batch_timeline(
+            [a[0] for a in admitted], [a[1] for a in admitted], self.clock_ratio
+        )
+        self.batches += 1
+        self.batch_size_sum += len(admitted)
+        self.batch_delay_sum += started - admitted[0][2]
+        self.running = len(admitted)
+        self.current = [a[3] for a in admitted]
+        self.batch_started = time.monotonic()
+        for (_, _, enqueued, future, _), finish in zip(admitted, finishes, strict=True):
+            self.queue_time.observe(started - enqueued)
+            loop.call_later(
+                finish,
+                _complete,
+                future,
+                {
+                    "enqueued_at": enqueued,
+                    "started_at": started,
+                    "batch_size": len(admitted),
+                },
+            )
+        await asyncio.sleep(busy)
+        self.busy_seconds += time.monotonic() - self.batch_started
+        self.batch_started = None
+        self.running = 0
+        self.current = []
+        for *_, allocation in admitted:
+            self.kv.free(allocation)
+
+
+def _complete(future: asyncio.Future[Any], result: dict[str, Any]) -> None:
+    if not future.done():
+        future.set_result({**result, "finished_at": time.time()})
+
+
+async def _serve(config: WorkerConfig, shared: Shared) -> None:
+    worker = Worker(config, shared)
+    runner = web.AppRunner(worker.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
+    batcher = asyncio.create_task(worker.batcher())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    batcher.cancel()
+    await runner.cleanup()
+
+
+def main(config_json: str, shared: Shared) -> None:
+    """Process entry point (multiprocessing, spawn)."""
+    config = WorkerConfig(**json.loads(config_json))
+    # the name shows in ps, /proc/<pid>/comm and the exporter's process attribution
+    with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/comm", "w") as comm:
+        comm.write(f"lab-{config.name}"[:15])
+    asyncio.run(_serve(config, shared))
+
+
+def config_json(config: WorkerConfig) -> str:
+    return json.dumps(asdict(config))
