@@ -51,6 +51,7 @@ demo: venv system-deps fakenvml
 bench: venv system-deps fakenvml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/exporter.py
+	$(PY) bench/lab.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

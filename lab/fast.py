@@ -74,7 +74,10 @@ class WorkerState:
     running: int = 0
     up: bool = True
     generation: int = 0  # bumped by a crash: completions scheduled before it are void
-    current: list[tuple[Request, float, float]] = field(default_factory=list)
+    # requests a crash would fail, by id: in preprocessing, and in the running batch until each
+    # one's completion (a batch outlives its shorter requests, which are answered already)
+    preparing: dict[int, Request] = field(default_factory=dict)
+    current: dict[int, Request] = field(default_factory=dict)
     # cumulative figures, as a serving process would count them
     cpu_seconds: float = 0.0
     read_bytes: float = 0.0
@@ -243,6 +246,7 @@ class FastRun:
         worker.in_flight += 1
         cpu = (worker.cpu_ms + worker.cpu_ms_per_1k * request.prompt_tokens / 1000) / 1000
         if cpu > 0 or worker.plan.io_mb_per_request > 0:
+            worker.preparing[request.id] = request
             self.env.process(self._prepare(request, worker, cpu, worker.generation))
         else:
             self._enqueue(request, worker)
@@ -273,6 +277,7 @@ class FastRun:
                 worker.read_bytes += io_mb * MIB
         if worker.generation != generation or not worker.up:
             return  # the worker crashed meanwhile; the crash failed this request already
+        del worker.preparing[request.id]
         self._enqueue(request, worker)
 
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
@@ -332,7 +337,7 @@ class FastRun:
         worker.running = len(admitted)
         worker.gpu.busy.append((now, now + busy))
         generation = worker.generation
-        worker.current = [(r, e, now + f) for (r, e, _), f in zip(admitted, finishes, strict=True)]
+        worker.current = {r.id: r for r, _, _ in admitted}
         for (request, _, _), finish in zip(admitted, finishes, strict=True):
             done = env.timeout(finish)
             done.callbacks.append(
@@ -343,7 +348,6 @@ class FastRun:
             for _, _, allocation in admitted:
                 worker.kv.free(allocation)
             worker.running = 0
-            worker.current = []
 
     def _record(
         self,
@@ -373,6 +377,7 @@ class FastRun:
         if worker.generation != generation:
             return
         now = self.env.now
+        del worker.current[request.id]
         worker.in_flight -= 1
         worker.requests_done += 1
         worker.request_duration_sum += now - request.arrival_seconds
@@ -387,13 +392,17 @@ class FastRun:
         """Everything the worker holds fails now: a crash or its GPU falling off the bus."""
         now = self.env.now
         worker.generation += 1
-        failed = [r for r, _ in worker.queue] + [r for r, _, _ in worker.current]
-        # requests still in preprocessing are failed by _prepare's generation check
+        failed = [
+            *worker.preparing.values(),
+            *(r for r, _ in worker.queue),
+            *worker.current.values(),
+        ]
         for request in failed:
             self.records.append(self._record(request, None, now, worker, "failed"))
         worker.in_flight = 0
         worker.queue.clear()
-        worker.current = []
+        worker.preparing = {}
+        worker.current = {}
         worker.running = 0
         worker.kv = KvRegion(worker.plan.kv_cache_bytes)
         worker.up = False
@@ -440,6 +449,7 @@ class FastRun:
         yield self.env.timeout(after)
         if not worker.gpu.lost:
             worker.up = True
+            self._freed(worker)  # pooled: the central queue has work for it now
 
     # -- telemetry ------------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ class WorkerSpec(_Strict):
 class RouterSpec(_Strict):
     policy: Policy = "round_robin"
     weights: dict[str, float] = Field(default_factory=dict, description="worker -> weight")
-    pools: dict[str, list[str]] = Field(
+    pools: dict[str, str] = Field(
         default_factory=dict, description="service class -> pool name; default: pool 'default'"
     )
     queue_timeout_seconds: float = Field(30.0, gt=0, description="pooled: longest wait in queue")

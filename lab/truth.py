@@ -241,7 +241,8 @@ def _window(
                     loose.append(i)
                     continue
                 target = sticky_target(session, names)
-                if up.get(target, 0.0) >= DOWN_SHARE:
+                # the router takes a weight-0 worker out of rotation, sticky sessions included
+                if up.get(target, 0.0) >= DOWN_SHARE and weights.get(target, 1.0) > 0:
                     by_target.setdefault(target, []).append(i)
                 else:
                     loose.append(i)

@@ -37,6 +37,7 @@ from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
 from gpubalance.lab.figures import DRIVER_VERSION, RESERVED_BYTES, Telemetry, WorkerFigures
 from gpubalance.lab.live import haproxy
 from gpubalance.lab.live.loadgen import send_all
+from gpubalance.lab.live.locks import FileLock, FileSemaphore
 from gpubalance.lab.live.procfs import write_procfs
 from gpubalance.lab.live.worker import Shared, WorkerConfig, config_json
 from gpubalance.lab.live.worker import main as worker_main
@@ -90,11 +91,12 @@ class LiveLab:
     def __post_init__(self) -> None:
         self.ctx = multiprocessing.get_context("spawn")
         host = self.plan.scenario.hardware.host
+        locks = self.run_dir / "locks"
         self.shared = Shared(
-            cores=self.ctx.Semaphore(host.cores),
-            disk=self.ctx.Lock(),
+            cores=FileSemaphore(locks / "cores", host.cores),
+            disk=FileLock(locks / "disk"),
             disk_mb_per_second=self.ctx.Value("d", host.disk_mb_per_second),
-            engines=[self.ctx.Lock() for _ in self.plan.gpus],
+            engines=[FileLock(locks / f"gpu{g.index}") for g in self.plan.gpus],
         )
         self.configs = {w.name: self._config(w) for w in self.plan.workers}
         self.processes: dict[str, Any] = {}

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.live.formats import render_metrics
+from gpubalance.lab.live.locks import FileLock, FileSemaphore
 from gpubalance.lab.model.memory import AllocationFailed, KvRegion
 from gpubalance.lab.model.service import ServiceModel
 
@@ -62,12 +63,15 @@ class WorkerConfig:
 
 @dataclass
 class Shared:
-    """Cross-process primitives: host cores, the disk and its bandwidth, one lock per GPU."""
+    """What the workers share: host cores, the disk and its bandwidth, one lock per GPU.
 
-    cores: Any  # multiprocessing Semaphore
-    disk: Any  # multiprocessing Lock
-    disk_mb_per_second: Any  # multiprocessing Value("d")
-    engines: list[Any]  # multiprocessing Lock per GPU
+    The locks are file locks (lab/live/locks.py), so a crashed worker frees what it held.
+    """
+
+    cores: FileSemaphore
+    disk: FileLock
+    disk_mb_per_second: Any  # multiprocessing Value("d"), set by the orchestrator's events
+    engines: list[FileLock]
 
 
 class Histogram:
@@ -169,18 +173,18 @@ class Worker:
         if cpu > 0:
             async with self.threads:
                 asked = time.monotonic()
-                await loop.run_in_executor(self.executor, self.shared.cores.acquire)
+                core = await loop.run_in_executor(self.executor, self.shared.cores.acquire)
                 self.cpu_wait_seconds += time.monotonic() - asked
                 try:
                     await asyncio.sleep(cpu)
                     self.cpu_seconds += cpu
                 finally:
-                    self.shared.cores.release()
+                    self.shared.cores.release(core)
         io_mb = self.config.io_mb_per_request
         if io_mb > 0:
             asked = time.monotonic()
             async with self.disk_turn:
-                await loop.run_in_executor(self.executor, self.shared.disk.acquire)
+                disk = await loop.run_in_executor(self.executor, self.shared.disk.acquire)
                 self.disk_wait_seconds += time.monotonic() - asked
                 try:
                     seconds = io_mb / self.shared.disk_mb_per_second.value
@@ -188,7 +192,7 @@ class Worker:
                     self.disk_busy_seconds += seconds
                     self.read_bytes += io_mb * 1024 * 1024
                 finally:
-                    self.shared.disk.release()
+                    self.shared.disk.release(disk)
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = render_metrics(self.config.metrics_format, self)
@@ -274,11 +278,11 @@ class Worker:
                     await asyncio.wait_for(self.wake.wait(), wait)
             if not self.queue or not self.up:
                 continue
-            await loop.run_in_executor(self.executor, engine.acquire)
+            held = await loop.run_in_executor(self.executor, engine.acquire)
             try:
                 await self._run_batch(limit)
             finally:
-                engine.release()
+                engine.release(held)
 
     async def _run_batch(self, limit: int) -> None:
         if not self.up or not self.queue:
