@@ -17,45 +17,29 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from gpubalance.lab.model.gpu import GpuPhysics, Reading
+from gpubalance.lab.figures import Telemetry, WorkerFigures
 from gpubalance.lab.model.memory import Allocation, AllocationFailed, KvRegion
 from gpubalance.lab.model.service import ServiceModel
 from gpubalance.lab.routing import Router
 from gpubalance.lab.scenario import Event, Plan, PlannedGpu, PlannedWorker
 from gpubalance.lab.workload import Request, RequestRecord
-from gpubalance.telemetry import (
-    CpuTimes,
-    DiskCounters,
-    GpuProcess,
-    GpuSample,
-    HostSample,
-    NvmlStatus,
-    PressureStall,
-    ProcessHostStats,
-    Sample,
-    ServingSample,
-)
+from gpubalance.telemetry import Sample
 
 # Unix time of the simulated t = 0: fixed, so that outputs are byte-identical for a seed.
 ORIGIN_SECONDS = 1_700_000_000.0
 MIB = 1024 * 1024
-RESERVED_BYTES = 333 * MIB  # what the driver keeps on every card (nvidia-smi "reserved")
-BASE_CPU_LOAD = 0.02  # share of each core busy with the rest of the host
-WORKER_PID_BASE = 30000
-WORKER_RSS_BYTES = 3 * 1024 * MIB
+WORKER_PID_BASE = 30000  # simulated processes have no real PID: these stand in
 
 
 @dataclass
 class GpuState:
     plan: PlannedGpu
     engine: simpy.Resource
-    physics: GpuPhysics
     clock_ratio: float = 1.0
     reason: str | None = None
     lost: bool = False
     # busy intervals not yet fully accounted in a telemetry sample
     busy: deque[tuple[float, float]] = field(default_factory=deque)
-    last_reading: Reading | None = None
 
 
 @dataclass
@@ -87,6 +71,10 @@ class WorkerState:
     requests_done: int = 0
     request_duration_sum: float = 0.0
     allocation_failures: int = 0
+    cpu_wait_seconds: float = 0.0  # waiting for a host core
+    disk_wait_seconds: float = 0.0
+    disk_busy_seconds: float = 0.0
+    disk_reads: int = 0
 
     def __post_init__(self) -> None:
         self.name = self.plan.name
@@ -120,15 +108,14 @@ class FastRun:
         self.disk = simpy.Resource(env, capacity=1)
         self.disk_mb_per_second = host.disk_mb_per_second
         self.router = Router(self.scenario.router.policy, self.scenario.router.weights, seed)
-        self.gpus = [
-            GpuState(g, simpy.Resource(env, capacity=1), GpuPhysics(g.card, g.power_limit_watts))
-            for g in plan.gpus
-        ]
+        self.gpus = [GpuState(g, simpy.Resource(env, capacity=1)) for g in plan.gpus]
         self.workers = [
             WorkerState(
                 plan=w,
                 gpu=self.gpus[w.gpu],
-                service=ServiceModel(plan.gpus[w.gpu].card, w.model.params_billions),
+                service=ServiceModel(
+                    plan.gpus[w.gpu].card, w.model.params_billions, w.model.bytes_per_param
+                ),
                 threads=simpy.Resource(env, capacity=w.preprocess.threads),
                 kv=KvRegion(w.kv_cache_bytes),
                 cpu_ms=w.preprocess.cpu_ms,
@@ -144,25 +131,7 @@ class FastRun:
         self.records: list[RequestRecord] = []
         self.samples: list[Sample] = []
         self.frames: list[dict[str, object]] = []
-        # host accounting
-        self.core_of: dict[str, list[int]] = {}
-        offset = 0
-        for w in self.workers:
-            self.core_of[w.name] = [
-                (offset + k) % host.cores for k in range(w.plan.preprocess.threads)
-            ]
-            offset += w.plan.preprocess.threads
-        self.cpu_wait_seconds = 0.0
-        self.disk_wait_seconds = 0.0
-        self.disk_busy_seconds = 0.0
-        self.disk_reads = 0
-        self._core_busy = [0.0] * host.cores
-        self._core_iowait = [0.0] * host.cores
-        self._last_cpu = {w.name: 0.0 for w in self.workers}
-        self._last_disk_busy = 0.0
-        self._tick_stats: dict[str, list[float]] = {}
-        self._frame_cpu: dict[str, float] = {}
-        self._last_waits = (0.0, 0.0)
+        self.telemetry = Telemetry(plan, "lab", ORIGIN_SECONDS)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -261,7 +230,7 @@ class FastRun:
                 asked = env.now
                 with self.cores.request() as core:
                     yield core
-                    self.cpu_wait_seconds += env.now - asked
+                    worker.cpu_wait_seconds += env.now - asked
                     yield env.timeout(cpu)
                     worker.cpu_seconds += cpu
         io_mb = worker.plan.io_mb_per_request
@@ -269,11 +238,11 @@ class FastRun:
             asked = env.now
             with self.disk.request() as disk:
                 yield disk
-                self.disk_wait_seconds += env.now - asked
+                worker.disk_wait_seconds += env.now - asked
                 seconds = io_mb / self.disk_mb_per_second
                 yield env.timeout(seconds)
-                self.disk_busy_seconds += seconds
-                self.disk_reads += 1
+                worker.disk_busy_seconds += seconds
+                worker.disk_reads += 1
                 worker.read_bytes += io_mb * MIB
         if worker.generation != generation or not worker.up:
             return  # the worker crashed meanwhile; the crash failed this request already
@@ -417,7 +386,9 @@ class FastRun:
         if action == "throttle":
             assert event.throttle is not None
             gpu = self.gpus[event.throttle.gpu]
-            gpu.clock_ratio, gpu.reason = event.throttle.clock_ratio, event.throttle.reason
+            gpu.clock_ratio = event.throttle.clock_ratio
+            # back to full clock ends the throttle: no reason stays behind
+            gpu.reason = event.throttle.reason if gpu.clock_ratio < 1 else None
         elif action == "preprocess":
             assert event.preprocess is not None
             worker = self.by_name[event.preprocess.worker]
@@ -472,225 +443,42 @@ class FastRun:
 
     def _sample(self, start: float, end: float) -> None:
         dt = end - start
-        host = self._host_sample(dt)
-        gpus: list[GpuSample] = []
-        processes: dict[int, ProcessHostStats] = {}
-        serving: list[ServingSample] = []
-        for gpu in self.gpus:
-            mine = [w for w in self.workers if w.gpu is gpu]
-            busy = 0.0 if gpu.lost else self._busy_between(gpu, start, end) / dt
-            reading = gpu.physics.step(dt, busy, gpu.clock_ratio, gpu.reason)
-            gpu.last_reading = reading
-            gpus.append(self._gpu_sample(gpu, mine, reading))
-            for w in mine:
-                pid = WORKER_PID_BASE + w.plan.index
-                if w.up:
-                    processes[pid] = ProcessHostStats(
-                        pid=pid,
-                        name=f"lab-worker-{w.name}",
-                        cpu_seconds_total=w.cpu_seconds + BASE_CPU_LOAD * end,
-                        resident_memory_bytes=WORKER_RSS_BYTES,
-                        read_bytes_total=int(w.read_bytes),
-                        written_bytes_total=0,
-                        threads=w.plan.preprocess.threads + 4,
-                        create_time_seconds=ORIGIN_SECONDS,
-                    )
-                serving.append(self._serving_sample(w))
-            self.frames.append(self._frame(end, gpu, mine, reading))
-        sample = Sample(
-            timestamp_seconds=ORIGIN_SECONDS + end,
-            duration_seconds=0.0,
-            hostname=self.scenario.name,
-            nvml=NvmlStatus(up=True, driver_version="595.71.05"),
-            gpus=tuple(gpus),
-            host=host,
-            processes=processes,
-            serving=tuple(serving),
-        )
+        figures = {w.name: self._figures(w) for w in self.workers}
+        busy = {
+            g.plan.index: 0.0 if g.lost else self._busy_between(g, start, end) for g in self.gpus
+        }
+        clock = {g.plan.index: (g.clock_ratio, g.reason) for g in self.gpus}
+        lost = {g.plan.index for g in self.gpus if g.lost}
+        sample, frames = self.telemetry.sample(end, dt, figures, busy, clock, lost)
+        self.frames.extend(frames)
         self.samples.append(sample)
         if self.on_sample is not None:
             self.on_sample(sample)
 
-    def _gpu_sample(self, gpu: GpuState, mine: list[WorkerState], reading: Reading) -> GpuSample:
-        plan = gpu.plan
-        if gpu.lost:
-            return GpuSample(
-                index=plan.index,
-                uuid=plan.uuid,
-                name=plan.card.model,
-                pci_bus_id=plan.pci_bus_id,
-                lost=True,
-            )
-        used = sum(
-            w.plan.model.weights_bytes + w.plan.model.overhead_mib * MIB + w.kv.used_bytes
-            for w in mine
-            if w.up
-        )
-        total = plan.card.memory_total_bytes
-        return GpuSample(
-            index=plan.index,
-            uuid=plan.uuid,
-            name=plan.card.model,
-            pci_bus_id=plan.pci_bus_id,
-            utilization_ratio=round(reading.utilization_ratio, 6),
-            memory_total_bytes=total,
-            memory_used_bytes=used,
-            memory_reserved_bytes=RESERVED_BYTES,
-            memory_free_bytes=max(0, total - used - RESERVED_BYTES),
-            temperature_celsius=round(reading.temperature_celsius, 3),
-            power_watts=round(reading.power_watts, 3),
-            power_limit_watts=plan.power_limit_watts,
-            energy_joules_total=round(reading.energy_joules_total, 3),
-            sm_clock_hertz=round(reading.sm_clock_mhz) * 1e6,
-            memory_clock_hertz=round(reading.memory_clock_mhz) * 1e6,
-            max_sm_clock_hertz=plan.card.max_sm_clock_mhz * 1e6,
-            throttle_reasons=reading.throttle_reasons,
-            fan_speed_ratio=round(reading.fan_speed_ratio, 4),
-            processes=tuple(
-                GpuProcess(
-                    pid=WORKER_PID_BASE + w.plan.index,
-                    gpu_memory_used_bytes=w.plan.model.weights_bytes + w.kv.used_bytes,
-                    sm_utilization_ratio=round(reading.utilization_ratio / len(mine), 6),
-                )
-                for w in mine
-                if w.up
-            ),
-        )
-
-    def _serving_sample(self, w: WorkerState) -> ServingSample:
-        return ServingSample(
-            source="lab",
-            worker=w.name,
-            gpu_index=w.plan.gpu,
-            gpu_uuid=w.gpu.plan.uuid,
-            service_class=None,
+    def _figures(self, w: WorkerState) -> WorkerFigures:
+        return WorkerFigures(
+            name=w.name,
+            pid=WORKER_PID_BASE + w.plan.index,
             up=w.up,
-            queue_depth=float(len(w.queue)),
-            running=float(w.running),
-            batch_assembly_delay_seconds_sum=round(w.batch_delay_sum, 6),
-            batch_assembly_delay_seconds_count=float(w.batches),
+            busy_seconds=0.0,  # the GPU's busy time is counted per GPU here
+            queue_depth=len(w.queue),
+            running=w.running,
+            in_flight=w.in_flight,
+            kv_used_bytes=w.kv.used_bytes,
+            kv_reserved_bytes=w.kv.reserved_bytes,
+            cpu_seconds=w.cpu_seconds,
+            read_bytes=w.read_bytes,
+            batches=w.batches,
             batch_size_sum=w.batch_size_sum,
-            batch_size_count=float(w.batches),
-            request_duration_seconds_sum=round(w.request_duration_sum, 6),
-            request_duration_seconds_count=float(w.requests_done),
-            allocation_failures_total=float(w.allocation_failures),
-            kv_cache_usage_ratio=round(w.kv.used_bytes / w.plan.kv_cache_bytes, 6)
-            if w.plan.kv_cache_bytes
-            else None,
-        )
-
-    def _frame(
-        self, end: float, gpu: GpuState, mine: list[WorkerState], reading: Reading
-    ) -> dict[str, object]:
-        stats = self._tick_stats
-        batches = sum(w.batches for w in mine)
-        size_sum = sum(w.batch_size_sum for w in mine)
-        delay_sum = sum(w.batch_delay_sum for w in mine)
-        done = sum(w.requests_done for w in mine)
-        key = f"gpu{gpu.plan.index}"
-        last = stats.get(key, [0.0, 0.0, 0.0, 0.0])
-        stats[key] = [batches, size_sum, delay_sum, done]
-        d_batches = batches - last[0]
-        cpu = [
-            (w.cpu_seconds - self._frame_cpu.get(w.name, 0.0)) / self.scenario.interval_seconds
-            for w in mine
-        ]
-        for w in mine:
-            self._frame_cpu[w.name] = w.cpu_seconds
-        return {
-            "t": end,
-            "gpu": gpu.plan.index,
-            "uuid": gpu.plan.uuid,
-            "card": gpu.plan.card.model,
-            "lost": int(gpu.lost),
-            "utilization": reading.utilization_ratio,
-            "memory_used_bytes": 0
-            if gpu.lost
-            else sum(
-                w.plan.model.weights_bytes + w.plan.model.overhead_mib * MIB + w.kv.used_bytes
-                for w in mine
-                if w.up
-            ),
-            "memory_total_bytes": gpu.plan.card.memory_total_bytes,
-            "power_watts": reading.power_watts,
-            "temperature_celsius": reading.temperature_celsius,
-            "sm_clock_mhz": reading.sm_clock_mhz,
-            "throttle_reasons": "|".join(sorted(reading.throttle_reasons)),
-            "queue_depth": sum(len(w.queue) for w in mine),
-            "in_flight": sum(w.in_flight for w in mine),
-            "running": sum(w.running for w in mine),
-            "batches": d_batches,
-            "batch_size_mean": (size_sum - last[1]) / d_batches if d_batches else 0.0,
-            "batch_delay_seconds": (delay_sum - last[2]) / d_batches if d_batches else 0.0,
-            "requests_completed": done - last[3],
-            "allocation_failures_total": sum(w.allocation_failures for w in mine),
-            "worker_cpu_cores": max(cpu, default=0.0),
-        }
-
-    def _host_sample(self, dt: float) -> HostSample:
-        cores = len(self._core_busy)
-        for w in self.workers:
-            delta = w.cpu_seconds - self._last_cpu[w.name]
-            self._last_cpu[w.name] = w.cpu_seconds
-            assigned = self.core_of[w.name]
-            for core in assigned:
-                self._core_busy[core] += delta / len(assigned)
-        disk_delta = self.disk_busy_seconds - self._last_disk_busy
-        self._last_disk_busy = self.disk_busy_seconds
-        self._core_iowait[0] += disk_delta
-        now = self.env.now
-        cpus = []
-        for c in range(cores):
-            busy = min(self._core_busy[c] + BASE_CPU_LOAD * now, now)
-            iowait = min(self._core_iowait[c], now - busy)
-            cpus.append(
-                CpuTimes(
-                    c,
-                    round(busy, 6),
-                    0.0,
-                    0.0,
-                    round(now - busy - iowait, 6),
-                    round(iowait, 6),
-                    0.0,
-                    0.0,
-                    0.0,
-                )
-            )
-        # PSI "some": the share of the period in which a task waited; the kernel averages it
-        # over 10 s, the lab over one sample period.
-        cpu_wait, io_wait = self._last_waits
-        self._last_waits = (self.cpu_wait_seconds, self.disk_wait_seconds)
-        cpu_some = round(min(1.0, (self.cpu_wait_seconds - cpu_wait) / dt), 6)
-        io_some = round(min(1.0, (self.disk_wait_seconds - io_wait) / dt), 6)
-        return HostSample(
-            cpus=tuple(cpus),
-            pressure=(
-                PressureStall("cpu", cpu_some, round(self.cpu_wait_seconds, 6), None, None),
-                PressureStall(
-                    "io",
-                    io_some,
-                    round(self.disk_wait_seconds, 6),
-                    io_some,
-                    round(self.disk_wait_seconds, 6),
-                ),
-            ),
-            memory_total_bytes=256 * 1024 * MIB,
-            memory_available_bytes=200 * 1024 * MIB,
-            disks=(
-                DiskCounters(
-                    "nvme0n1",
-                    self.disk_reads,
-                    0,
-                    int(sum(w.read_bytes for w in self.workers)),
-                    0,
-                    round(self.disk_busy_seconds + self.disk_wait_seconds, 6),
-                    0.0,
-                    round(self.disk_busy_seconds, 6),
-                ),
-            ),
-            networks=(),
-            tcp_out_segments_total=None,
-            tcp_retransmitted_segments_total=None,
+            batch_delay_sum=w.batch_delay_sum,
+            requests_done=w.requests_done,
+            request_duration_sum=w.request_duration_sum,
+            allocation_failures=w.allocation_failures,
+            cpu_wait_seconds=w.cpu_wait_seconds,
+            disk_wait_seconds=w.disk_wait_seconds,
+            disk_busy_seconds=w.disk_busy_seconds,
+            disk_reads=w.disk_reads,
+            create_time_seconds=ORIGIN_SECONDS,
         )
 
 

@@ -45,7 +45,7 @@ class WorkerFigures:
     queue_depth: int  # now
     running: int  # now
     in_flight: int  # now
-    kv_used_bytes: int  # now
+    kv_used_bytes: int  # now, held by requests
     cpu_seconds: float
     read_bytes: float
     batches: int
@@ -58,12 +58,14 @@ class WorkerFigures:
     disk_wait_seconds: float = 0.0
     disk_busy_seconds: float = 0.0
     create_time_seconds: float = 0.0
+    kv_reserved_bytes: int = 0  # now, taken from the device by the caching allocator
+    disk_reads: int = 0
 
 
 def memory_used_bytes(worker: PlannedWorker, figures: WorkerFigures) -> int:
     if not figures.up:
         return 0
-    return worker.model.weights_bytes + worker.model.overhead_mib * MIB + figures.kv_used_bytes
+    return worker.model.weights_bytes + worker.model.overhead_mib * MIB + figures.kv_reserved_bytes
 
 
 class Telemetry:
@@ -304,7 +306,7 @@ class Telemetry:
             disks=(
                 DiskCounters(
                     "nvme0n1",
-                    int(reads // (1024 * 1024)),
+                    sum(f.disk_reads for f in figures.values()),
                     0,
                     int(reads),
                     0,

@@ -284,20 +284,33 @@ def _name_and_size(
     source: str,
     lines: dict[Loc, int],
 ) -> list[PlannedWorker]:
-    names: dict[str, int] = {}
+    spec_of = _spec_index(scenario)
+    named: dict[str, int] = {}
     for w in workers:
-        names[w.name] = names.get(w.name, 0) + 1
+        explicit = scenario.workers[spec_of[w.index]].name
+        if explicit is not None and explicit in named:
+            raise _fail(
+                source,
+                lines,
+                ("workers", spec_of[w.index], "name"),
+                f"worker name {explicit!r} is already taken by workers entry {named[explicit]}",
+            )
+        if explicit is not None:
+            named[explicit] = spec_of[w.index]
+    # several unnamed workers on one GPU become w<gpu>-0, w<gpu>-1, ...
+    counts: dict[str, int] = {}
+    for w in workers:
+        counts[w.name] = counts.get(w.name, 0) + 1
     seen: dict[str, int] = {}
     renamed = []
     for w in workers:
-        if names[w.name] > 1:
+        if counts[w.name] > 1:
             seen[w.name] = seen.get(w.name, 0) + 1
             w = replace(w, name=f"{w.name}-{seen[w.name] - 1}")
         renamed.append(w)
     if len({w.name for w in renamed}) != len(renamed):
         raise _fail(source, lines, ("workers",), "worker names must be unique")
     sized = []
-    spec_of = _spec_index(scenario)
     for gpu in gpus:
         mine = [w for w in renamed if w.gpu == gpu.index]
         fixed = sum(w.model.weights_bytes + w.model.overhead_mib * MIB for w in mine)

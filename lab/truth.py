@@ -150,7 +150,12 @@ def compute(plan: Plan, requests: Sequence[Request], duration_seconds: float) ->
     width = scenario.truth_window_seconds
     timeline = _Timeline(plan)
     workers = plan.workers
-    models = {w.name: ServiceModel(plan.gpus[w.gpu].card, w.model.params_billions) for w in workers}
+    models = {
+        w.name: ServiceModel(
+            plan.gpus[w.gpu].card, w.model.params_billions, w.model.bytes_per_param
+        )
+        for w in workers
+    }
     arrival = np.array([r.arrival_seconds for r in requests])
     prompt = np.array([r.prompt_tokens for r in requests], dtype=float)
     output = np.array([r.output_tokens for r in requests], dtype=float)
@@ -185,6 +190,8 @@ class _WorkerLoad:
     interactive_n: float = 0.0
     batch_cost: float = 0.0
     batch_n: float = 0.0
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
 
 
 def _window(
@@ -277,6 +284,8 @@ def _window(
                 load.prefill += share * prefill
                 load.decode += share * decode
                 load.requests += share * len(members)
+                load.prompt_tokens += share * float(prompt[members].sum())
+                load.output_tokens += share * float(output[members].sum())
                 ms, per_1k = cpu_params[name]
                 load.cpu_seconds += (
                     share
@@ -450,9 +459,10 @@ def _batch_idle_share(
     fill = (worker.max_batch_size - 1) / rate
     wait = min(delay, fill)
     batch = max(1, min(worker.max_batch_size, round(1 + rate * wait)))
-    per_request = (load.prefill + load.decode) / load.requests * worker.max_batch_size
-    # a batch of ``batch`` takes about as long as a full one per request would, scaled
-    busy = per_request * batch / worker.max_batch_size / clock
+    # the batch that forms in that wait, of the window's mean request, on the service model
+    prompt = round(load.prompt_tokens / load.requests)
+    output = round(load.output_tokens / load.requests)
+    busy, _ = model.batch_timeline([prompt] * batch, [output] * batch, clock)
     return wait / (wait + busy) if wait + busy > 0 else 0.0
 
 

@@ -34,7 +34,13 @@ import aiohttp
 
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
-from gpubalance.lab.figures import DRIVER_VERSION, RESERVED_BYTES, Telemetry, WorkerFigures
+from gpubalance.lab.figures import (
+    DRIVER_VERSION,
+    RESERVED_BYTES,
+    Telemetry,
+    WorkerFigures,
+    memory_used_bytes,
+)
 from gpubalance.lab.live import haproxy
 from gpubalance.lab.live.loadgen import send_all
 from gpubalance.lab.live.locks import FileLock, FileSemaphore
@@ -125,6 +131,7 @@ class LiveLab:
             card=next(k for k, v in CARDS.items() if v is gpu.card),
             model_name=w.model_name,
             params_billions=w.model.params_billions,
+            bytes_per_param=w.model.bytes_per_param,
             kv_bytes_per_token=w.model.kv_bytes_per_token,
             kv_cache_bytes=w.kv_cache_bytes,
             weights_bytes=w.model.weights_bytes,
@@ -169,7 +176,6 @@ class LiveLab:
     def _haproxy_config(self) -> haproxy.HaproxyConfig:
         router = self.plan.scenario.router
         policy = {"weighted_round_robin": "round_robin"}.get(router.policy, router.policy)
-        top = max([*router.weights.values(), 1.0])
         backends = []
         for pool in sorted({w.pool for w in self.plan.workers}):
             servers = tuple(
@@ -177,7 +183,7 @@ class LiveLab:
                     name=w.name,
                     host="127.0.0.1",
                     port=self.configs[w.name].port,
-                    weight=round(router.weights.get(w.name, 1.0) / top * MAX_WEIGHT),
+                    weight=self._weight(router.weights.get(w.name, 1.0)),
                     maxconn=w.max_batch_size if policy == "pooled" else None,
                 )
                 for w in self.plan.workers_in(pool)
@@ -250,7 +256,13 @@ class LiveLab:
                     name, 0, False, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0.0, 0
                 )
             return replace(
-                previous, up=False, queue_depth=0, running=0, in_flight=0, kv_used_bytes=0
+                previous,
+                up=False,
+                queue_depth=0,
+                running=0,
+                in_flight=0,
+                kv_used_bytes=0,
+                kv_reserved_bytes=0,
             )
 
         results = await asyncio.gather(*(one(w.name) for w in self.plan.workers))
@@ -285,6 +297,7 @@ class LiveLab:
             cpu_wait_seconds=total("cpu_wait_seconds", "cpu_wait_seconds"),
             disk_wait_seconds=total("disk_wait_seconds", "disk_wait_seconds"),
             disk_busy_seconds=total("disk_busy_seconds", "disk_busy_seconds"),
+            disk_reads=int(total("disk_reads", "disk_reads")),
             create_time_seconds=self.created[name],
         )
 
@@ -324,12 +337,7 @@ class LiveLab:
                 {
                     p + "utilization.gpu": round(100 * util),
                     p + "utilization.memory": round(60 * util),
-                    p + "memory.used": sum(
-                        w.model.weights_bytes
-                        + w.model.overhead_mib * 1024 * 1024
-                        + figures[w.name].kv_used_bytes
-                        for w in live
-                    ),
+                    p + "memory.used": sum(memory_used_bytes(w, figures[w.name]) for w in live),
                     p + "temp.gpu": round(reading.temperature_celsius) if reading else 35,
                     p + "power.usage": int(reading.power_watts * 1000) if reading else 25000,
                     p + "energy": int(reading.energy_joules_total * 1000) if reading else 0,
@@ -341,8 +349,7 @@ class LiveLab:
                     p + "pcie.tx": round(4000 * util),
                     p + "pcie.rx": round(20000 * util),
                     p + "procs": [
-                        (figures[w.name].pid, w.model.weights_bytes + figures[w.name].kv_used_bytes)
-                        for w in live
+                        (figures[w.name].pid, memory_used_bytes(w, figures[w.name])) for w in live
                     ],
                     p + "procs_util": [
                         (
@@ -373,7 +380,8 @@ class LiveLab:
 
         if event.throttle is not None:
             gpu = event.throttle.gpu
-            self.clock[gpu] = (event.throttle.clock_ratio, event.throttle.reason)
+            ratio = event.throttle.clock_ratio
+            self.clock[gpu] = (ratio, event.throttle.reason if ratio < 1 else None)
             for w in self.plan.workers:
                 if w.gpu == gpu:
                     await control(w.name, {"clock_ratio": event.throttle.clock_ratio})
@@ -402,12 +410,20 @@ class LiveLab:
         elif event.disk is not None:
             self.shared.disk_mb_per_second.value = event.disk.disk_mb_per_second
         elif event.router is not None:
-            top = max([*self.plan.scenario.router.weights.values(), 1.0])
             for name, weight in event.router.weights.items():
                 w = self.plan.workers[self._index(name)]
-                await asyncio.to_thread(
-                    api.set_weight, f"be_{w.pool}", name, round(weight / top * MAX_WEIGHT)
-                )
+                await asyncio.to_thread(api.set_weight, f"be_{w.pool}", name, self._weight(weight))
+
+    def _weight(self, weight: float) -> int:
+        """HAProxy weight for a lab weight: as the fast speed, only weighted round robin uses
+        the values; under every policy 0 takes a worker out of new work."""
+        router = self.plan.scenario.router
+        if weight <= 0:
+            return 0
+        if router.policy != "weighted_round_robin":
+            return MAX_WEIGHT
+        top = max([*router.weights.values(), 1.0])
+        return max(1, round(weight / top * MAX_WEIGHT))
 
     def _index(self, name: str) -> int:
         return next(w.index for w in self.plan.workers if w.name == name)

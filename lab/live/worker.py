@@ -47,6 +47,7 @@ class WorkerConfig:
     card: str
     model_name: str
     params_billions: float
+    bytes_per_param: float
     kv_bytes_per_token: int
     kv_cache_bytes: int
     weights_bytes: int
@@ -93,7 +94,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, shared: Shared) -> None:
         self.config = config
         self.shared = shared
-        self.service = ServiceModel(CARDS[config.card], config.params_billions)
+        self.service = ServiceModel(
+            CARDS[config.card], config.params_billions, config.bytes_per_param
+        )
         self.kv = KvRegion(config.kv_cache_bytes)
         self.cpu_ms, self.cpu_ms_per_1k = config.cpu_ms, config.cpu_ms_per_1k
         self.clock_ratio = 1.0
@@ -124,6 +127,7 @@ class Worker:
         self.cpu_wait_seconds = 0.0  # waiting for a host core (PSI cpu "some")
         self.disk_wait_seconds = 0.0  # waiting for the disk (PSI io)
         self.disk_busy_seconds = 0.0
+        self.disk_reads = 0
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
 
@@ -190,6 +194,7 @@ class Worker:
                     seconds = io_mb / self.shared.disk_mb_per_second.value
                     await asyncio.sleep(seconds)
                     self.disk_busy_seconds += seconds
+                    self.disk_reads += 1
                     self.read_bytes += io_mb * 1024 * 1024
                 finally:
                     self.shared.disk.release(disk)
@@ -211,6 +216,7 @@ class Worker:
             "running": self.running,
             "in_flight": self.in_flight,
             "kv_used_bytes": self.kv.used_bytes,
+            "kv_reserved_bytes": self.kv.reserved_bytes,
             "cpu_seconds": self.cpu_seconds,
             "read_bytes": self.read_bytes,
             "batches": self.batches,
@@ -223,6 +229,7 @@ class Worker:
             "cpu_wait_seconds": self.cpu_wait_seconds,
             "disk_wait_seconds": self.disk_wait_seconds,
             "disk_busy_seconds": self.disk_busy_seconds,
+            "disk_reads": self.disk_reads,
         }
 
     async def state(self, request: web.Request) -> web.Response:

@@ -119,6 +119,9 @@ class ServiceModel:
 
     card: Card
     params_billions: float
+    # Decode streams the weights once per step: INT8 weights (1 byte) halve that traffic
+    # against the FP16 reference. Prefill stays at FP16 tensor speed (weights dequantised).
+    bytes_per_param: float = 2.0
 
     @property
     def _prefill_scale(self) -> float:
@@ -128,8 +131,10 @@ class ServiceModel:
 
     @property
     def _decode_scale(self) -> float:
-        return (self.params_billions * 1e9 / REFERENCE_PARAMS_PER_GPU) * (
-            A100_BANDWIDTH_GBPS / self.card.memory_bandwidth_gbps
+        return (
+            (self.params_billions * 1e9 / REFERENCE_PARAMS_PER_GPU)
+            * (self.bytes_per_param / 2.0)
+            * (A100_BANDWIDTH_GBPS / self.card.memory_bandwidth_gbps)
         )
 
     def prefill_seconds(self, batch: int, mean_prompt_tokens: float) -> float:

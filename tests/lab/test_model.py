@@ -20,7 +20,12 @@ from gpubalance.lab.model.gpu import (
     GpuPhysics,
     Reading,
 )
-from gpubalance.lab.model.memory import BLOCK_BYTES, AllocationFailed, KvRegion
+from gpubalance.lab.model.memory import (
+    BLOCK_BYTES,
+    MIN_SEGMENT_BLOCKS,
+    AllocationFailed,
+    KvRegion,
+)
 from gpubalance.lab.model.service import ServiceModel, reference_shape
 from gpubalance.lab.routing import Router, sticky_target
 
@@ -119,55 +124,75 @@ def test_curve_many_equals_scalar_calls() -> None:
 # -- KV allocator ----------------------------------------------------------------------------------
 
 
-def test_allocate_free_round_trip() -> None:
-    kv = KvRegion(10 * BLOCK_BYTES)
+def holes(kv: KvRegion) -> list[list[tuple[int, int]]]:
+    return [segment.holes for segment in kv.segments]
+
+
+def test_allocate_free_round_trip_keeps_the_segment_reserved() -> None:
+    kv = KvRegion(40 * BLOCK_BYTES)
     a = kv.allocate(3 * BLOCK_BYTES)
     b = kv.allocate(BLOCK_BYTES + 1)  # rounds up to whole blocks
-    assert (a.start_block, a.blocks, b.start_block, b.blocks) == (0, 3, 3, 2)
-    assert kv.used_bytes == 5 * BLOCK_BYTES and kv.free_bytes == 5 * BLOCK_BYTES
+    # the first allocation reserves a minimum-size segment; the second fits in it
+    assert (a.segment, a.start_block, a.blocks) == (0, 0, 3)
+    assert (b.segment, b.start_block, b.blocks) == (0, 3, 2)
+    assert kv.used_bytes == 5 * BLOCK_BYTES
+    assert kv.reserved_bytes == MIN_SEGMENT_BLOCKS * BLOCK_BYTES
     kv.free(a)
     kv.free(b)
-    assert kv.used_bytes == 0 and kv.largest_hole_bytes == 10 * BLOCK_BYTES
-    assert kv._holes == [(0, 10)]
+    assert kv.used_bytes == 0
+    assert holes(kv) == [[(0, MIN_SEGMENT_BLOCKS)]]
+    # a caching allocator keeps what it reserved: NVML still sees it used
+    assert kv.reserved_bytes == MIN_SEGMENT_BLOCKS * BLOCK_BYTES
 
 
-def test_free_coalesces_with_both_neighbours() -> None:
-    kv = KvRegion(6 * BLOCK_BYTES)
+def test_free_coalesces_with_both_neighbours_within_its_segment() -> None:
+    kv = KvRegion(40 * BLOCK_BYTES)
     a, b, c = (kv.allocate(2 * BLOCK_BYTES) for _ in range(3))
     kv.free(a)
     kv.free(c)
-    assert kv._holes == [(0, 2), (4, 2)]
+    assert holes(kv) == [[(0, 2), (4, MIN_SEGMENT_BLOCKS - 4)]]
     kv.free(b)  # the hole before and the hole after become one with it
-    assert kv._holes == [(0, 6)]
-    assert kv.allocate(6 * BLOCK_BYTES).start_block == 0
+    assert holes(kv) == [[(0, MIN_SEGMENT_BLOCKS)]]
 
 
-def test_first_fit_takes_the_first_hole_that_fits() -> None:
-    kv = KvRegion(10 * BLOCK_BYTES)
-    blocks = [kv.allocate(BLOCK_BYTES) for _ in range(10)]
+def test_best_fit_takes_the_smallest_hole_that_fits() -> None:
+    kv = KvRegion(40 * BLOCK_BYTES)
+    blocks = [kv.allocate(BLOCK_BYTES) for _ in range(MIN_SEGMENT_BLOCKS)]
     kv.free(blocks[1])
     kv.free(blocks[5])
     kv.free(blocks[6])
-    assert kv.allocate(BLOCK_BYTES).start_block == 1
+    assert kv.allocate(BLOCK_BYTES).start_block == 1  # the 1-block hole, not the 2-block one
     assert kv.allocate(2 * BLOCK_BYTES).start_block == 5
 
 
+def test_large_requests_get_a_segment_of_their_own() -> None:
+    kv = KvRegion(100 * BLOCK_BYTES)
+    big = kv.allocate(30 * BLOCK_BYTES)
+    assert (big.segment, big.blocks) == (0, 30)
+    assert kv.reserved_bytes == 30 * BLOCK_BYTES
+
+
 def test_fragmented_failure_when_free_memory_suffices_but_no_hole_does() -> None:
-    kv = KvRegion(8 * BLOCK_BYTES)
-    blocks = [kv.allocate(BLOCK_BYTES) for _ in range(8)]
-    for allocation in blocks[::2]:
+    # segments cut for small requests cannot serve a larger one once the device is reserved
+    kv = KvRegion(40 * BLOCK_BYTES)
+    small = [kv.allocate(12 * BLOCK_BYTES) for _ in range(3)]
+    last = kv.allocate(4 * BLOCK_BYTES)  # the rest of the device, a 4-block segment
+    assert kv.reserved_bytes == 40 * BLOCK_BYTES
+    for allocation in small:
         kv.free(allocation)
-    assert kv.free_bytes == 4 * BLOCK_BYTES and kv.largest_hole_bytes == BLOCK_BYTES
+    assert kv.free_bytes == 36 * BLOCK_BYTES and kv.largest_hole_bytes == 12 * BLOCK_BYTES
     with pytest.raises(AllocationFailed) as failed:
-        kv.allocate(2 * BLOCK_BYTES)
+        kv.allocate(20 * BLOCK_BYTES)
     assert failed.value.fragmented
     assert "fragmented" in str(failed.value)
     with pytest.raises(AllocationFailed) as failed:
-        kv.allocate(5 * BLOCK_BYTES)  # more than is free at all
+        kv.allocate(37 * BLOCK_BYTES)  # more than is free at all
     assert not failed.value.fragmented
     assert "out of memory" in str(failed.value)
     assert (kv.failures_total, kv.fragmented_failures_total) == (2, 1)
     assert kv.used_bytes == 4 * BLOCK_BYTES  # failures leave the region as it was
+    kv.free(last)
+    assert kv.allocate(12 * BLOCK_BYTES).blocks == 12  # a hole of that size still serves
 
 
 # -- GPU sensor physics ----------------------------------------------------------------------------

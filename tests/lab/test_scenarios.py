@@ -272,6 +272,15 @@ BAD = {
         23,
         "events.0.worker_crash.worker: no worker named 'w9'",
     ),
+    "worker name taken twice": (
+        (
+            "  - gpu: 0\n    model: small\n",
+            "  - gpu: 0\n    name: a\n    model: small\n"
+            "  - gpu: 0\n    name: a\n    model: small\n",
+        ),
+        14,
+        "workers.1.name: worker name 'a' is already taken by workers entry 0",
+    ),
     "pool without workers": (
         ("  policy: round_robin\n", "  policy: round_robin\n  pools:\n    batch: jobs\n"),
         15,
