@@ -120,6 +120,7 @@ class LiveLab:
         self._carry: dict[str, WorkerFigures] = {}  # counts of crashed workers
         self._figures: dict[str, WorkerFigures] = {}
         self.last_sample: Sample | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _config(self, w: PlannedWorker) -> WorkerConfig:
         gpu = self.plan.gpus[w.gpu]
@@ -444,6 +445,8 @@ class LiveLab:
     async def run(
         self, cookie_for: Callable[[Request], str | None] | None = None
     ) -> tuple[list[RequestRecord], list[dict[str, object]]]:
+        self._loop = asyncio.get_running_loop()
+        self._halt = asyncio.Event()
         library_dir = build_library(self.build_dir).parent
         for name in self.configs:
             self._spawn(name)
@@ -473,20 +476,31 @@ class LiveLab:
                             for e in sorted(self.plan.scenario.events, key=lambda e: e.at)
                         ),
                     ]
-                    result = await send_all(
-                        [r for r in self.requests if r.arrival_seconds < self.duration_seconds],
-                        f"http://127.0.0.1:{self.frontend_port}",
-                        clock_origin=origin,
-                        cookie_for=cookie_for or self._cookie_for(config),
+                    sending = asyncio.create_task(
+                        send_all(
+                            [r for r in self.requests if r.arrival_seconds < self.duration_seconds],
+                            f"http://127.0.0.1:{self.frontend_port}",
+                            clock_origin=origin,
+                            cookie_for=cookie_for or self._cookie_for(config),
+                        )
                     )
-                    stop.set()
-                    for task in loops:
+                    halted = asyncio.create_task(self._halt.wait())
+                    await asyncio.wait({sending, halted}, return_when=asyncio.FIRST_COMPLETED)
+                    records = sending.result().records if sending.done() else []
+                    for task in (sending, halted, *loops):
                         task.cancel()
-                    await asyncio.gather(*loops, return_exceptions=True)
+                    stop.set()
+                    await asyncio.gather(sending, halted, *loops, return_exceptions=True)
                     del balancer
         finally:
             self._stop()
-        return result.records, self.frames
+        return records, self.frames
+
+    def halt(self) -> None:
+        """Stop a run early, from any thread (the demo's Ctrl-C): requests not yet answered
+        get no record."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._halt.set)
 
     def _cookie_for(self, config: haproxy.HaproxyConfig) -> Callable[[Request], str | None]:
         if self.plan.scenario.router.policy != "sticky":
