@@ -52,6 +52,7 @@ bench: venv system-deps fakenvml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/exporter.py
 	$(PY) bench/lab.py
+	$(PY) bench/validation.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache
