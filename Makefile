@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
 SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy
+FUZZ_INPUTS ?= 100000
 
 .PHONY: all venv system-deps fakenvml test lint demo bench clean
 
@@ -53,6 +54,7 @@ bench: venv system-deps fakenvml
 	$(PY) bench/exporter.py
 	$(PY) bench/lab.py
 	$(PY) bench/validation.py
+	$(PY) bench/fuzz.py --exposition $(FUZZ_INPUTS) --otlp $(FUZZ_INPUTS)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

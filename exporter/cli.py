@@ -56,6 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--hostname",
         help="Hostname label of the DCGM profile (default: $NODE_NAME, else the host name)",
     )
+    parser.add_argument(
+        "--serving",
+        action="append",
+        default=[],
+        metavar="FORMAT=URL",
+        help="scrape a serving endpoint, FORMAT one of triton, vllm, tgi, sglang (repeatable; "
+        "its GPU is found from the process on its port; map GPUs in --config otherwise)",
+    )
     for spec in REGISTRY.values():
         parser.add_argument(
             f"--collector.{spec.name}",
@@ -83,8 +91,20 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in vars(args).items()
         if key.startswith("collector__") and value is not None
     }
+    serving = None
+    if args.serving:
+        endpoints = []
+        for spec in args.serving:
+            form, sep, url = spec.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"--serving {spec!r}: expected FORMAT=URL, e.g. vllm=http://127.0.0.1:8000/metrics"
+                )
+            endpoints.append({"format": form, "url": url})
+        serving = {"endpoints": endpoints}
     return {
         "listen": args.listen,
+        "serving": serving,
         "interval": args.interval,
         "window": args.window,
         "trend_window": args.trend_window,
@@ -119,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         from gpubalance.exporter.exposition import render
 
         try:
+            serving = next((c for c in collectors if getattr(c, "name", "") == "serving"), None)
+            if serving is not None:
+                asyncio.run(serving.scraper.scrape_once())
             view = sampler.sample_once()
             sys.stdout.buffer.write(render(view, config.names))
         finally:

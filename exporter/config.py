@@ -26,6 +26,51 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
+SERVING_FORMATS = ("triton", "vllm", "tgi", "sglang")
+
+
+class ServingEndpoint(BaseModel):
+    """One serving server's /metrics to scrape."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    url: str = Field(description="http(s)://host:port/metrics")
+    format: Literal["triton", "vllm", "tgi", "sglang"]
+    worker: str | None = Field(None, description="worker label; default host:port of the URL")
+    gpu: int | str | None = Field(
+        None, description="GPU index or UUID; default: found from the port's process (NVML)"
+    )
+    gpus: list[int] | None = Field(
+        None, description="GPUs of a multi-GPU server, by rank (SGLang tp_rank, vLLM engine)"
+    )
+    service_class: str | None = Field(None, alias="class", description="class label")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+        return value
+
+
+class OtlpSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    enabled: bool = True
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    max_series: int = Field(10_000, gt=0, description="serving series, scraped and pushed")
+
+
+class ServingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    scrape_interval: float = Field(1.0, gt=0, description="seconds between scrapes")
+    timeout: float = Field(0.5, gt=0, description="seconds a scrape may take")
+    stale_after: float = Field(5.0, gt=0, description="older figures are not served")
+    endpoints: list[ServingEndpoint] = Field(default_factory=list)
+    otlp: OtlpSettings = OtlpSettings()
+
+
 class ExporterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -39,6 +84,7 @@ class ExporterConfig(BaseModel):
     hostname: str | None = None
     nvml_retry_max: float = Field(30.0, gt=0, description="longest wait between NVML re-inits")
     collectors: dict[str, bool] = Field(default_factory=dict)
+    serving: ServingConfig = ServingConfig()
 
     @field_validator("listen")
     @classmethod

@@ -53,6 +53,8 @@ class Sampler:
             gpus=parts.gpus,
             host=parts.host,
             processes=dict(parts.processes),
+            serving=parts.serving,
+            serving_sources=parts.serving_sources,
             collectors=tuple(results),
         )
         self.history.append(sample)

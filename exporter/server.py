@@ -6,13 +6,17 @@ generation and naming profile, so N scrapers cost one render per sample, and no 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from gpubalance.exporter.collectors.serving.collector import ServingCollector
 from gpubalance.exporter.config import ExporterConfig
 from gpubalance.exporter.exposition import PROFILES, render
+from gpubalance.exporter.otlp import OtlpLimits, OtlpReceiver
 from gpubalance.exporter.sampler import Sampler
 from gpubalance.snapshot import SCHEMA, Snapshot, to_json
 
@@ -25,6 +29,7 @@ INDEX = """<!doctype html>
 <li><a href="/metrics">/metrics</a> (Prometheus; <code>?names=native|dcgm|both</code>)</li>
 <li><a href="/api/v1/snapshot">/api/v1/snapshot</a> (JSON; <code>?history=N</code>)</li>
 <li><a href="/healthz">/healthz</a></li>
+<li><code>POST /v1/metrics</code> (OTLP/HTTP metrics: protobuf or JSON)</li>
 </ul></body></html>
 """
 
@@ -34,14 +39,35 @@ class ExporterServer:
         self.sampler = sampler
         self.config = config
         self._cache: dict[str, tuple[int, bytes]] = {}
+        self.serving = next(
+            (c for c in sampler.collectors if isinstance(c, ServingCollector)), None
+        )
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # the OTLP receiver takes bodies up to its own limit and answers 413 itself
+        limit = self.config.serving.otlp.max_body_bytes + 1024
+        app = web.Application(client_max_size=limit)
         app.router.add_get("/", self.index)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/api/v1/snapshot", self.snapshot)
+        if self.serving is not None:
+            if self.config.serving.otlp.enabled:
+                receiver = OtlpReceiver(
+                    self.serving.store,
+                    OtlpLimits(max_body_bytes=self.config.serving.otlp.max_body_bytes),
+                )
+                app.router.add_post("/v1/metrics", receiver.handle)
+            app.cleanup_ctx.append(self._scrape_serving)
         return app
+
+    async def _scrape_serving(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.serving is not None
+        task = asyncio.create_task(self.serving.scraper.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     def _cached(self, key: str, generation: int, make: Callable[[], bytes]) -> bytes:
         hit = self._cache.get(key)

@@ -258,7 +258,11 @@ def _process_windows(recent: Sequence[Sample]) -> dict[int, ProcessWindow]:
 
 def _same_worker(sample: Sample, serving: ServingSample) -> ServingSample | None:
     for other in sample.serving:
-        if other.worker == serving.worker and other.source == serving.source:
+        if (other.worker, other.source, other.queue) == (
+            serving.worker,
+            serving.source,
+            serving.queue,
+        ):
             return other
     return None
 
@@ -307,6 +311,8 @@ def _serving_window(serving: ServingSample, recent: Sequence[Sample]) -> Serving
         gpu_index=serving.gpu_index,
         gpu_uuid=serving.gpu_uuid,
         service_class=serving.service_class,
+        queue=serving.queue,
+        tenant=serving.tenant,
         queue_depth_mean=sum(depths) / len(depths) if depths else None,
         batch_assembly_delay_seconds=_mean_of_delta(
             first,

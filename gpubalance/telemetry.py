@@ -185,6 +185,8 @@ class ServingSample:
     gpu_uuid: str | None = None
     service_class: str | None = None
     up: bool = True
+    tenant: str | None = None
+    queue: str = ""  # the queue within its worker (a model, an engine, a TP rank)
     queue_depth: float | None = None  # requests waiting for a batch
     running: float | None = None  # requests in the batch on the GPU
     batch_assembly_delay_seconds_sum: float | None = None
@@ -195,6 +197,20 @@ class ServingSample:
     request_duration_seconds_count: float | None = None
     allocation_failures_total: float | None = None
     kv_cache_usage_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSourceStatus:
+    """How one serving endpoint's scrapes (or the OTLP receiver) are doing."""
+
+    source: str
+    endpoint: str
+    up: bool
+    stale: bool  # nothing fresh within stale_after: its figures are not served
+    last_success_timestamp_seconds: float | None = None
+    scrape_duration_seconds: float | None = None
+    error: str | None = None
+    errors_total: Mapping[str, int] = field(default_factory=dict)  # reason -> count
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +251,7 @@ class Sample:
     host: HostSample | None = None
     processes: Mapping[int, ProcessHostStats] = field(default_factory=dict)
     serving: tuple[ServingSample, ...] = ()
+    serving_sources: tuple[ServingSourceStatus, ...] = ()
     collectors: tuple[CollectorResult, ...] = ()
 
 
@@ -298,6 +315,8 @@ class ServingWindow:
     gpu_index: int | None
     gpu_uuid: str | None
     service_class: str | None
+    queue: str
+    tenant: str | None
     queue_depth_mean: float | None  # over the samples of the window
     batch_assembly_delay_seconds: float | None  # mean per batch over the window
     batch_size_mean: float | None

@@ -67,7 +67,8 @@ class WorkerState:
     read_bytes: float = 0.0
     batches: int = 0
     batch_size_sum: float = 0.0
-    batch_delay_sum: float = 0.0
+    batch_delay_sum: float = 0.0  # per request: enqueue to the start of its batch
+    batch_delay_count: int = 0
     requests_done: int = 0
     request_duration_sum: float = 0.0
     allocation_failures: int = 0
@@ -75,6 +76,13 @@ class WorkerState:
     disk_wait_seconds: float = 0.0
     disk_busy_seconds: float = 0.0
     disk_reads: int = 0
+    queue_area: float = 0.0  # integral of the queue length over time
+    queue_since: float = 0.0
+
+    def account_queue(self, now: float) -> None:
+        """Add the queue's length times the time since its last change (before a change)."""
+        self.queue_area += len(self.queue) * (now - self.queue_since)
+        self.queue_since = now
 
     def __post_init__(self) -> None:
         self.name = self.plan.name
@@ -250,6 +258,7 @@ class FastRun:
         self._enqueue(request, worker)
 
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
+        worker.account_queue(self.env.now)
         worker.queue.append((request, self.env.now))
         if worker.wake is not None and not worker.wake.triggered:
             worker.wake.succeed()
@@ -283,6 +292,7 @@ class FastRun:
     def _run_batch(self, worker: WorkerState, limit: int) -> Iterator[simpy.Event]:
         env = self.env
         now = env.now
+        worker.account_queue(now)
         taken = [worker.queue.popleft() for _ in range(min(limit, len(worker.queue)))]
         model = worker.plan.model
         admitted: list[tuple[Request, float, Allocation]] = []
@@ -302,7 +312,8 @@ class FastRun:
         busy, finishes = worker.service.batch_timeline(prompts, outputs, worker.gpu.clock_ratio)
         worker.batches += 1
         worker.batch_size_sum += len(admitted)
-        worker.batch_delay_sum += now - admitted[0][1]
+        worker.batch_delay_sum += sum(now - enqueued for _, enqueued, _ in admitted)
+        worker.batch_delay_count += len(admitted)
         worker.running = len(admitted)
         worker.gpu.busy.append((now, now + busy))
         generation = worker.generation
@@ -369,6 +380,7 @@ class FastRun:
         for request in failed:
             self.records.append(self._record(request, None, now, worker, "failed"))
         worker.in_flight = 0
+        worker.account_queue(now)
         worker.queue.clear()
         worker.preparing = {}
         worker.current = {}
@@ -455,6 +467,10 @@ class FastRun:
         if self.on_sample is not None:
             self.on_sample(sample)
 
+    def _queue_area(self, w: WorkerState) -> float:
+        w.account_queue(self.env.now)
+        return w.queue_area
+
     def _figures(self, w: WorkerState) -> WorkerFigures:
         return WorkerFigures(
             name=w.name,
@@ -462,6 +478,7 @@ class FastRun:
             up=w.up,
             busy_seconds=0.0,  # the GPU's busy time is counted per GPU here
             queue_depth=len(w.queue),
+            queue_area=self._queue_area(w),
             running=w.running,
             in_flight=w.in_flight,
             kv_used_bytes=w.kv.used_bytes,
@@ -471,6 +488,7 @@ class FastRun:
             batches=w.batches,
             batch_size_sum=w.batch_size_sum,
             batch_delay_sum=w.batch_delay_sum,
+            batch_delay_count=w.batch_delay_count,
             requests_done=w.requests_done,
             request_duration_sum=w.request_duration_sum,
             allocation_failures=w.allocation_failures,

@@ -50,7 +50,7 @@ class WorkerFigures:
     read_bytes: float
     batches: int
     batch_size_sum: float
-    batch_delay_sum: float
+    batch_delay_sum: float  # per request: enqueue to the start of its batch
     requests_done: int
     request_duration_sum: float
     allocation_failures: int
@@ -60,6 +60,8 @@ class WorkerFigures:
     create_time_seconds: float = 0.0
     kv_reserved_bytes: int = 0  # now, taken from the device by the caching allocator
     disk_reads: int = 0
+    batch_delay_count: int = 0  # requests that started a batch
+    queue_area: float = 0.0  # integral of the queue length over time (request-seconds)
 
 
 def memory_used_bytes(worker: PlannedWorker, figures: WorkerFigures) -> int:
@@ -190,13 +192,14 @@ class Telemetry:
         return ServingSample(
             source=self.source,
             worker=w.name,
+            queue=w.model_name,
             gpu_index=gpu.index,
             gpu_uuid=gpu.uuid,
             up=f.up,
             queue_depth=float(f.queue_depth),
             running=float(f.running),
             batch_assembly_delay_seconds_sum=round(f.batch_delay_sum, 6),
-            batch_assembly_delay_seconds_count=float(f.batches),
+            batch_assembly_delay_seconds_count=float(f.batch_delay_count),
             batch_size_sum=f.batch_size_sum,
             batch_size_count=float(f.batches),
             request_duration_seconds_sum=round(f.request_duration_sum, 6),
@@ -247,11 +250,15 @@ class Telemetry:
             "sm_clock_mhz": reading.sm_clock_mhz,
             "throttle_reasons": "|".join(sorted(reading.throttle_reasons)),
             "queue_depth": sum(n.queue_depth for n in now),
+            # the time-average over the period, exact where queue_depth is a point sample
+            "queue_depth_mean": delta("queue_area") / period,
             "in_flight": sum(n.in_flight for n in now),
             "running": sum(n.running for n in now),
             "batches": batches,
             "batch_size_mean": delta("batch_size_sum") / batches if batches else 0.0,
-            "batch_delay_seconds": delta("batch_delay_sum") / batches if batches else 0.0,
+            "batch_delay_seconds": delta("batch_delay_sum") / delta("batch_delay_count")
+            if delta("batch_delay_count")
+            else 0.0,
             "requests_completed": delta("requests_done"),
             "allocation_failures_total": sum(n.allocation_failures for n in now),
             "worker_cpu_cores": max(cpu, default=0.0),

@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from gpubalance.telemetry import GpuSample, HostSample, NvmlStatus, ProcessHostStats
+from gpubalance.telemetry import (
+    GpuSample,
+    HostSample,
+    NvmlStatus,
+    ProcessHostStats,
+    ServingSample,
+    ServingSourceStatus,
+)
 
 if TYPE_CHECKING:
     from gpubalance.exporter.config import ExporterConfig
@@ -30,6 +37,8 @@ class SampleParts:
     gpus: tuple[GpuSample, ...] = ()
     host: HostSample | None = None
     processes: dict[int, ProcessHostStats] = field(default_factory=dict)
+    serving: tuple[ServingSample, ...] = ()
+    serving_sources: tuple[ServingSourceStatus, ...] = ()
 
 
 class Collector(Protocol):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpubalance.exporter.exposition.dcgm import add_dcgm
-from gpubalance.exporter.exposition.native import add_native, add_self
+from gpubalance.exporter.exposition.native import add_native, add_self, add_serving
 from gpubalance.exporter.exposition.text import Exposition
 from gpubalance.exporter.view import View
 
@@ -11,7 +11,8 @@ PROFILES = ("native", "dcgm", "both")
 
 
 def render(view: View, profile: str) -> bytes:
-    """The /metrics body for ``profile``: native, dcgm or both. Self-metrics are always there."""
+    """The /metrics body for ``profile``: native, dcgm or both. Serving queues and the
+    exporter's own health are always there."""
     if profile not in PROFILES:
         raise ValueError(f"unknown naming profile {profile!r}; expected one of {PROFILES}")
     out = Exposition()
@@ -19,5 +20,6 @@ def render(view: View, profile: str) -> bytes:
         add_native(out, view)
     if profile in ("dcgm", "both"):
         add_dcgm(out, view)
+    add_serving(out, view)
     add_self(out, view)
     return out.render()

@@ -349,6 +349,113 @@ def _add_host(out: Exposition, host: HostSample, win: HostWindow | None) -> None
     )
 
 
+def add_serving(out: Exposition, view: View) -> None:
+    """Serving queues per GPU, worker and class: in every profile (DCGM has no such names)."""
+    for s in view.sample.serving:
+        labels = {
+            "gpu": "" if s.gpu_index is None else str(s.gpu_index),
+            "uuid": s.gpu_uuid or "",
+            "worker": s.worker,
+            "queue": s.queue,
+            "class": s.service_class or "",
+            "source": s.source,
+        }
+        if s.tenant is not None:
+            labels["tenant"] = s.tenant
+        out.add(
+            "gpubalance_queue_depth",
+            G,
+            "Requests waiting for a batch" + _LATEST + ".",
+            s.queue_depth,
+            labels,
+        )
+        out.add(
+            "gpubalance_batch_running_requests",
+            G,
+            "Requests in the batch on the GPU" + _LATEST + ".",
+            s.running,
+            labels,
+        )
+        for name, help_text, total, count in (
+            (
+                "gpubalance_batch_assembly_delay_seconds",
+                "Time from enqueue to the start of the request's batch (sum and count).",
+                s.batch_assembly_delay_seconds_sum,
+                s.batch_assembly_delay_seconds_count,
+            ),
+            (
+                "gpubalance_batch_size",
+                "Requests per batch (sum and count of batches).",
+                s.batch_size_sum,
+                s.batch_size_count,
+            ),
+            (
+                "gpubalance_request_duration_seconds",
+                "Time from arrival to answer (sum and count).",
+                s.request_duration_seconds_sum,
+                s.request_duration_seconds_count,
+            ),
+        ):
+            # a summary without quantiles: rate(_sum) / rate(_count) is the mean
+            out.add(name, "summary", help_text, total, labels, f"{name}_sum")
+            out.add(name, "summary", help_text, count, labels, f"{name}_count")
+        out.add(
+            "gpubalance_memory_allocation_failures_total",
+            C,
+            "Requests that failed to get GPU memory (OOM, preemptions, BACKEND failures).",
+            s.allocation_failures_total,
+            labels,
+        )
+        out.add(
+            "gpubalance_kv_cache_usage_ratio",
+            G,
+            "Share of the KV cache in use" + _LATEST + ".",
+            s.kv_cache_usage_ratio,
+            labels,
+        )
+    for status in view.sample.serving_sources:
+        labels = {"source": status.source, "endpoint": status.endpoint}
+        out.add(
+            "gpubalance_serving_source_up",
+            G,
+            "1 when the last scrape (or push) of the serving source succeeded.",
+            status.up,
+            labels,
+        )
+        out.add(
+            "gpubalance_serving_source_stale",
+            G,
+            "1 when nothing fresh came from the source within stale_after: its figures are "
+            "not served.",
+            status.stale,
+            labels,
+        )
+        out.add(
+            "gpubalance_serving_source_last_success_timestamp_seconds",
+            G,
+            "Unix time of the source's last successful scrape or push.",
+            status.last_success_timestamp_seconds,
+            labels,
+        )
+        out.add(
+            "gpubalance_serving_source_scrape_duration_seconds",
+            G,
+            "Wall time of the last scrape of the source.",
+            status.scrape_duration_seconds,
+            labels,
+        )
+        out.add(
+            "gpubalance_serving_source_errors_total",
+            C,
+            "Scrapes or pushed points of the source that failed, by reason.",
+            None,
+        )
+        for reason, count in sorted(status.errors_total.items()):
+            out.add(
+                "gpubalance_serving_source_errors_total", C, "", count, {**labels, "reason": reason}
+            )
+
+
 def add_self(out: Exposition, view: View) -> None:
     """The exporter's own health: present in every profile."""
     sample = view.sample

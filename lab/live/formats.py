@@ -142,7 +142,7 @@ def triton(worker: Any) -> Exposition:
         "nv_inference_queue_duration_us",
         C,
         "Cumulative inference queuing duration in microseconds (includes cached requests)",
-        round(worker.queue_time.sum * 1e6),
+        round(worker.queue_done_seconds * 1e6),
         instance,
     )
     out.add(
@@ -162,7 +162,8 @@ def triton(worker: Any) -> Exposition:
     return out
 
 
-FORMATS = {"vllm": vllm, "triton": triton}
+# an OTLP-pushing worker still answers /metrics (nobody scrapes it): in vLLM's format
+FORMATS = {"vllm": vllm, "triton": triton, "otlp": vllm}
 
 
 def render_metrics(name: str, worker: Any) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
@@ -54,6 +55,7 @@ from gpubalance.telemetry import Sample
 
 log = logging.getLogger(__name__)
 
+SCRAPED_FORMATS = ("vllm", "triton")  # the workers' /metrics formats the exporter scrapes
 STATE_PERIOD_SECONDS = 0.25  # how often the driver state and procfs tree are rewritten
 BUILD_DIR = Path("build") / "fakenvml"
 # HAProxy weights are integers 0..256: the lab's float weights are scaled to this maximum
@@ -91,7 +93,9 @@ class LiveLab:
     exporter_args: Sequence[str] = ()
     run_dir: Path = field(default_factory=_run_dir)
     build_dir: Path = BUILD_DIR
-    metrics_formats: Sequence[str] = ("vllm", "triton")
+    # how the workers report their queues, in turn: /metrics in vLLM's or Triton's format, or
+    # OTLP pushes to the exporter (only when the lab runs one)
+    metrics_formats: Sequence[str] | None = None
     on_ready: Callable[[LiveLab], None] | None = None
 
     def __post_init__(self) -> None:
@@ -104,6 +108,11 @@ class LiveLab:
             disk_mb_per_second=self.ctx.Value("d", host.disk_mb_per_second),
             engines=[FileLock(locks / f"gpu{g.index}") for g in self.plan.gpus],
         )
+        self.exporter_port = free_port()
+        if self.metrics_formats is None:
+            self.metrics_formats = (
+                ("vllm", "triton", "otlp") if self.start_exporter else ("vllm", "triton")
+            )
         self.configs = {w.name: self._config(w) for w in self.plan.workers}
         self.processes: dict[str, Any] = {}
         self.created: dict[str, float] = {}
@@ -144,6 +153,7 @@ class LiveLab:
             io_mb_per_request=w.io_mb_per_request,
             port=free_port(),
             metrics_format=self.metrics_formats[w.index % len(self.metrics_formats)],
+            otlp_endpoint=f"http://127.0.0.1:{self.exporter_port}/v1/metrics",
         )
 
     # -- processes ------------------------------------------------------------------------------
@@ -212,8 +222,39 @@ class LiveLab:
             run_dir=self.run_dir,
         )
 
+    def _exporter_config(self) -> Path:
+        """The exporter's serving endpoints: the workers that serve their own /metrics, each
+        mapped to its GPU (the lab's procfs has no sockets to find them by)."""
+        endpoints = [
+            {
+                "url": f"http://127.0.0.1:{c.port}/metrics",
+                "format": c.metrics_format,
+                "worker": c.name,
+                "gpu": c.gpu,
+            }
+            for c in self.configs.values()
+            if c.metrics_format in SCRAPED_FORMATS
+        ]
+        path = self.run_dir / "exporter.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "exporter": {
+                        "serving": {
+                            "scrape_interval": 0.5,
+                            "timeout": 1.0,
+                            "stale_after": 5.0,
+                            "endpoints": endpoints,
+                        }
+                    }
+                },
+                sort_keys=False,
+            )
+        )
+        return path
+
     def _start_exporter(self, library_dir: Path) -> Exporter:
-        port = free_port()
+        port = self.exporter_port
         log_path = self.run_dir / "exporter.log"
         env = {
             **os.environ,
@@ -233,6 +274,8 @@ class LiveLab:
                     str(self.procfs),
                     "--hostname",
                     self.plan.scenario.name,
+                    "--config",
+                    str(self._exporter_config()),
                     *self.exporter_args,
                 ],
                 env=env,
@@ -284,6 +327,7 @@ class LiveLab:
             up=bool(data["up"]),
             busy_seconds=total("busy_seconds", "busy_seconds"),
             queue_depth=data["queue_depth"],
+            queue_area=total("queue_area", "queue_area"),
             running=data["running"],
             in_flight=data["in_flight"],
             kv_used_bytes=data["kv_used_bytes"],
@@ -292,6 +336,7 @@ class LiveLab:
             batches=int(total("batches", "batches")),
             batch_size_sum=total("batch_size_sum", "batch_size_sum"),
             batch_delay_sum=total("batch_delay_sum", "batch_delay_sum"),
+            batch_delay_count=int(total("batch_delay_count", "batch_delay_count")),
             requests_done=int(total("requests_done", "requests_done")),
             request_duration_sum=total("request_duration_sum", "request_duration_sum"),
             allocation_failures=int(total("allocation_failures", "allocation_failures")),

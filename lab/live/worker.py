@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gpubalance.instrument import ServingMetrics
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.live.formats import render_metrics
 from gpubalance.lab.live.locks import FileLock, FileSemaphore
@@ -58,7 +59,8 @@ class WorkerConfig:
     threads: int
     io_mb_per_request: float
     port: int
-    metrics_format: str = "vllm"  # vllm | triton
+    metrics_format: str = "vllm"  # vllm | triton | otlp (pushes to otlp_endpoint)
+    otlp_endpoint: str | None = None
     host: str = "127.0.0.1"
 
 
@@ -105,6 +107,10 @@ class Worker:
         # (prompt tokens, output tokens, enqueued at (time.time), future of the reply)
         self.queue: deque[tuple[int, int, float, asyncio.Future[Any]]] = deque()
         self.current: list[asyncio.Future[Any]] = []  # replies of the batch on the GPU
+        self.otlp: ServingMetrics | None = None  # when the worker pushes OTLP
+        # integral of the queue length over time: the exact mean queue over any period
+        self.queue_area = 0.0
+        self._queue_since = time.monotonic()
         self.wake = asyncio.Event()
         self.threads = asyncio.Semaphore(config.threads)
         self.disk_turn = asyncio.Lock()  # one of ours at a time waits for the shared disk
@@ -119,7 +125,8 @@ class Worker:
         self.read_bytes = 0.0
         self.batches = 0
         self.batch_size_sum = 0.0
-        self.batch_delay_sum = 0.0
+        self.batch_delay_sum = 0.0  # per request: enqueue to the start of its batch
+        self.batch_delay_count = 0
         self.requests_done = 0
         self.request_duration_sum = 0.0
         self.allocation_failures = 0
@@ -128,7 +135,8 @@ class Worker:
         self.disk_wait_seconds = 0.0  # waiting for the disk (PSI io)
         self.disk_busy_seconds = 0.0
         self.disk_reads = 0
-        self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.queue_time = Histogram(LATENCY_BUCKETS)  # at batch start, as vLLM counts it
+        self.queue_done_seconds = 0.0  # of completed requests, as Triton counts it
         self.latency = Histogram(LATENCY_BUCKETS)
 
     # -- HTTP ---------------------------------------------------------------------------------
@@ -157,16 +165,23 @@ class Worker:
         try:
             await self._prepare(prompt)
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._account_queue()
             self.queue.append((prompt, output, time.time(), future))
             self.wake.set()
+            if self.otlp is not None:
+                self.otlp.set_queue_depth(len(self.queue))
             result = await future
         finally:
             self.in_flight -= 1
         if result.get("reason"):
             return web.json_response({"id": rid, **result}, status=503)
         self.requests_done += 1
+        # Triton counts a request's queue time when the request completes
+        self.queue_done_seconds += result["started_at"] - result["enqueued_at"]
         self.request_duration_sum += result["finished_at"] - arrived
         self.latency.observe(result["finished_at"] - arrived)
+        if self.otlp is not None:
+            self.otlp.request_finished(result["finished_at"] - arrived)
         return web.json_response(
             {"id": rid, "gpu": self.config.gpu, "worker": self.config.name, **result}
         )
@@ -203,7 +218,14 @@ class Worker:
         text = render_metrics(self.config.metrics_format, self)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
+    def _account_queue(self) -> None:
+        """Add the queue's length times the time since its last change (call before a change)."""
+        now = time.monotonic()
+        self.queue_area += len(self.queue) * (now - self._queue_since)
+        self._queue_since = now
+
     def figures(self) -> dict[str, Any]:
+        self._account_queue()
         busy = self.busy_seconds
         if self.batch_started is not None:
             busy += time.monotonic() - self.batch_started
@@ -213,6 +235,7 @@ class Worker:
             "up": self.up,
             "busy_seconds": busy,
             "queue_depth": len(self.queue),
+            "queue_area": self.queue_area,
             "running": self.running,
             "in_flight": self.in_flight,
             "kv_used_bytes": self.kv.used_bytes,
@@ -222,6 +245,7 @@ class Worker:
             "batches": self.batches,
             "batch_size_sum": self.batch_size_sum,
             "batch_delay_sum": self.batch_delay_sum,
+            "batch_delay_count": self.batch_delay_count,
             "requests_done": self.requests_done,
             "request_duration_sum": self.request_duration_sum,
             "allocation_failures": self.allocation_failures,
@@ -256,6 +280,7 @@ class Worker:
         """The GPU is gone: everything queued or running is answered 503, nothing new taken."""
         self.up, self.down_reason = False, reason
         while self.queue:
+            self._account_queue()
             *_, future = self.queue.popleft()
             if not future.done():
                 future.set_result({"reason": reason})
@@ -296,6 +321,7 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         started = time.time()
+        self._account_queue()
         taken = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
         admitted = []
         for prompt, output, enqueued, future in taken:
@@ -305,6 +331,8 @@ class Worker:
             except AllocationFailed:
                 self.allocation_failures += 1
                 future.set_result({"reason": "oom"})
+                if self.otlp is not None:
+                    self.otlp.allocation_failed()
         if not admitted:
             return
         busy, finishes = self.service.batch_timeline(
@@ -312,10 +340,14 @@ class Worker:
         )
         self.batches += 1
         self.batch_size_sum += len(admitted)
-        self.batch_delay_sum += started - admitted[0][2]
+        self.batch_delay_sum += sum(started - a[2] for a in admitted)
+        self.batch_delay_count += len(admitted)
         self.running = len(admitted)
         self.current = [a[3] for a in admitted]
         self.batch_started = time.monotonic()
+        if self.otlp is not None:
+            self.otlp.set_queue_depth(len(self.queue))
+            self.otlp.batch_started([started - a[2] for a in admitted])
         for (_, _, enqueued, future, _), finish in zip(admitted, finishes, strict=True):
             self.queue_time.observe(started - enqueued)
             loop.call_later(
@@ -344,6 +376,14 @@ def _complete(future: asyncio.Future[Any], result: dict[str, Any]) -> None:
 
 async def _serve(config: WorkerConfig, shared: Shared) -> None:
     worker = Worker(config, shared)
+    if config.metrics_format == "otlp" and config.otlp_endpoint:
+        worker.otlp = ServingMetrics(
+            config.otlp_endpoint,
+            worker=config.name,
+            gpu_uuid=config.gpu_uuid,
+            gpu_index=config.gpu,
+            export_interval_seconds=0.5,
+        )
     runner = web.AppRunner(worker.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
@@ -355,6 +395,8 @@ async def _serve(config: WorkerConfig, shared: Shared) -> None:
     await stop.wait()
     batcher.cancel()
     await runner.cleanup()
+    if worker.otlp is not None:
+        worker.otlp.shutdown()
 
 
 def main(config_json: str, shared: Shared) -> None:

@@ -383,6 +383,7 @@ def test_http_endpoints(start_exporter) -> None:
         "gpu": True,
         "host": True,
         "processes": True,
+        "serving": True,
     }
 
 

@@ -4,7 +4,9 @@ that reads the lab through the fake NVML driver and the lab's procfs tree."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import statistics
 import threading
 import time
 import urllib.request
@@ -155,3 +157,58 @@ def test_crashed_worker_costs_no_request(fakenvml_dir: Path) -> None:
         r.worker == "w1" and r.arrival_seconds > 12 and r.outcome == "ok" for r in records
     ), by_worker
     assert lab.processes["w1"].is_alive() is False  # stopped at the end, like the others
+
+
+def test_serving_signals_at_the_exporter_agree_with_the_lab(fakenvml_dir: Path) -> None:
+    """The skewed demo server: the workers report their queues in vLLM's and Triton's formats
+    (scraped) and over OTLP (pushed); per GPU, the exporter's queue depth and batch-assembly
+    delay over its window agree with the lab's own figures within 10 %."""
+    from gpubalance.lab import scenario as scenarios
+
+    the_plan = scenarios.load("skewed-heterogeneous")
+    duration = 55.0
+    requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
+    ready = threading.Event()
+    lab = LiveLab(
+        the_plan,
+        requests,
+        duration,
+        start_exporter=True,
+        exporter_args=("--interval", "0.5", "--window", "30", "--trend-window", "60"),
+        build_dir=fakenvml_dir,
+        on_ready=lambda _: ready.set(),
+    )
+    assert {c.metrics_format for c in lab.configs.values()} == {"vllm", "triton", "otlp"}
+    thread = threading.Thread(target=lambda: asyncio.run(lab.run()))
+    thread.start()
+    try:
+        assert ready.wait(90)
+        time.sleep(48)
+        assert lab.exporter is not None
+        with urllib.request.urlopen(lab.exporter.url + "/api/v1/snapshot", timeout=10) as resp:
+            snapshot = json.loads(resp.read())
+        metrics = scrape(lab)
+    finally:
+        thread.join(180)
+    window = snapshot["window"]
+    start, end = window["start_seconds"], window["end_seconds"]
+    frames = [f for f in lab.frames if start <= lab.telemetry.origin + float(f["t"]) <= end]
+    by_gpu = {int(s["gpu_index"]): s for s in window["serving"]}
+    assert sorted(by_gpu) == [0, 1, 2, 3]
+    assert {s["source"] for s in by_gpu.values()} == {"vllm", "triton", "otlp"}
+    for gpu, served in by_gpu.items():
+        mine = [f for f in frames if f["gpu"] == gpu]
+        lab_depth = statistics.mean(float(f["queue_depth_mean"]) for f in mine)
+        admitted = [float(f["batches"]) * float(f["batch_size_mean"]) for f in mine]
+        lab_delay = sum(
+            float(f["batch_delay_seconds"]) * n for f, n in zip(mine, admitted, strict=True)
+        ) / sum(admitted)
+        depth, delay = served["queue_depth_mean"], served["batch_assembly_delay_seconds"]
+        # relative agreement for a real queue, absolute for a queue of a request or less
+        if lab_depth >= 1:
+            assert depth == pytest.approx(lab_depth, rel=0.10), (gpu, depth, lab_depth)
+        else:
+            assert abs(depth - lab_depth) <= 0.25, (gpu, depth, lab_depth)
+        assert delay == pytest.approx(lab_delay, rel=0.10, abs=0.005), (gpu, delay, lab_delay)
+        # /metrics carries the same queues, on the right GPU
+        assert metrics.has("gpubalance_queue_depth", gpu=str(gpu), source=served["source"])

@@ -1,0 +1,91 @@
+"""SGLang's ``/metrics`` (``--enable-metrics``) as one reading per scheduler, i.e. per GPU.
+
+Source: ``python/sglang/srt/metrics/collector.py``. Each scheduler process (one per GPU: one per
+``tp_rank`` of each pipeline stage and data-parallel replica) labels its series with
+``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, and where used
+``dp_rank``, ``priority`` and ``--extra-metric-labels``; a reading's key holds them all.
+
+- ``queue_depth``: ``sglang:num_queue_reqs``; ``running``: ``sglang:num_running_reqs``.
+- ``kv_cache_usage_ratio``: ``sglang:token_usage``, used / total tokens of the KV pool.
+- ``batch_assembly_delay_seconds``: the ``sglang:queue_time_seconds`` histogram, from entering
+  the waiting queue to entering a forward batch.
+- ``allocation_failures_total``: ``sglang:num_retracted_requests_total``: decode requests the
+  scheduler sends back to the queue because the KV pool cannot hold the batch's next tokens. An
+  approximation: it counts retractions (a request can be retracted more than once), and
+  versions before the counter existed give ``None`` (the older ``sglang:num_retracted_reqs`` is
+  a gauge of the last interval, not a count).
+- ``request_duration_seconds``: the ``sglang:e2e_request_latency_seconds`` histogram. The
+  tokenizer manager observes it, with ``model_name`` (newer versions add ``engine_type``, and any
+  custom labels) but no rank. Every rank of a TP group runs every request, so each scheduler's
+  reading gets the whole of its model's (and engine type's) series, summed over custom labels:
+  duplicated, not split. With ``--dp-size`` that is the whole endpoint's latency on every
+  replica, not the replica's own.
+- ``rank``: ``tp_rank`` where it tells the schedulers apart. With ``--dp-size`` (without DP
+  attention) or ``--pp-size`` several schedulers share a ``tp_rank``; theirs is ``None``, since
+  the GPU position also needs the TP and PP sizes, which SGLang does not export.
+- ``batch_size_*``: ``None``; SGLang exports no per-batch request count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client.metrics_core import Metric
+
+from gpubalance.exporter.collectors.serving.base import ServingReading
+from gpubalance.exporter.collectors.serving.formats import (
+    Field,
+    Labels,
+    histogram,
+    index,
+    key,
+    register,
+    rows,
+)
+
+FORMAT = "sglang"
+FOLLOWS = "SGLang 0.5 (00ae9c1: python/sglang/srt/metrics/collector.py)"
+
+_SCHEDULER: tuple[Field, ...] = (
+    ("queue_depth", "sglang:num_queue_reqs", "gauge", ""),
+    ("running", "sglang:num_running_reqs", "gauge", ""),
+    ("kv_cache_usage_ratio", "sglang:token_usage", "gauge", ""),
+    ("allocation_failures_total", "sglang:num_retracted_requests", "counter", ""),
+    *histogram("batch_assembly_delay_seconds", "sglang:queue_time_seconds"),
+)
+_TOKENIZER: tuple[Field, ...] = (
+    *histogram("request_duration_seconds", "sglang:e2e_request_latency_seconds"),
+)
+
+
+# The labels that tie the tokenizer's series to a scheduler's; others (custom labels) are summed.
+_JOIN = ("model_name", "engine_type")
+
+
+@register(FORMAT)
+def parse(families: dict[str, Metric]) -> list[ServingReading]:
+    """One reading per scheduler label set (per tokenizer one, if no scheduler reports)."""
+    schedulers = rows(families, _SCHEDULER)
+    tokenizer = rows(families, _TOKENIZER)
+    joined: dict[Labels, dict[str, float]] = {}
+    for labels, row in tokenizer.items():
+        sums = joined.setdefault(tuple((n, v) for n, v in labels if n in _JOIN), {})
+        for field, value in row.items():
+            sums[field] = sums.get(field, 0.0) + value
+    # looked up by the join labels each tokenizer series has (at most four sets of names), so
+    # the work grows with the series, not with schedulers times tokenizer series
+    shapes = {tuple(name for name, _ in labels) for labels in joined}
+    for labels, row in schedulers.items():
+        own = dict(labels)
+        for shape in shapes:
+            if all(name in own for name in shape):
+                for field, value in joined.get(tuple((n, own[n]) for n in shape), {}).items():
+                    row[field] = row.get(field, 0.0) + value
+    found = schedulers or tokenizer
+    tp_ranks = Counter(dict(labels).get("tp_rank") for labels in found)
+    readings = []
+    for labels, row in found.items():
+        tp_rank = dict(labels).get("tp_rank")
+        rank = index(tp_rank) if tp_ranks[tp_rank] == 1 else None
+        readings.append(ServingReading(key=key(labels), rank=rank, **row))
+    return sorted(readings, key=lambda r: r.key)
