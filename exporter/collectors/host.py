@@ -44,7 +44,7 @@ PSI_RESOURCES = ("cpu", "io", "memory")
 # from going negative. An idle drop this large means a hotplugged CPU starting over
 # (node_exporter's jumpBackSeconds).
 JUMP_BACK_SECONDS = 3.0
-_CPU_MODES = (
+CPU_MODES = (
     "user_seconds",
     "nice_seconds",
     "system_seconds",
@@ -155,7 +155,7 @@ class HostCollector:
                 new.idle_seconds,
             )
             return new
-        return CpuTimes(new.cpu, *(max(getattr(old, m), getattr(new, m)) for m in _CPU_MODES))
+        return CpuTimes(new.cpu, *(max(getattr(old, m), getattr(new, m)) for m in CPU_MODES))
 
     def _pressure(self) -> tuple[PressureStall, ...] | None:
         stalls = []

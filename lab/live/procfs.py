@@ -36,7 +36,12 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from gpubalance.exporter.collectors.host import IGNORED_DISKS, IGNORED_INTERFACES, PSI_RESOURCES
+from gpubalance.exporter.collectors.host import (
+    CPU_MODES,
+    IGNORED_DISKS,
+    IGNORED_INTERFACES,
+    PSI_RESOURCES,
+)
 from gpubalance.telemetry import (
     CpuTimes,
     DiskCounters,
@@ -50,17 +55,6 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 SECTOR_BYTES = 512
 # TASK_COMM_LEN less the NUL: the kernel keeps this many bytes of a process name.
 COMM_BYTES = 15
-# /proc/stat's column order, which CpuTimes follows.
-_CPU_MODES = (
-    "user_seconds",
-    "nice_seconds",
-    "system_seconds",
-    "idle_seconds",
-    "iowait_seconds",
-    "irq_seconds",
-    "softirq_seconds",
-    "steal_seconds",
-)
 # Block-extended major, which NVMe namespaces get; the exporter reads only the name.
 _DISK_MAJOR = 259
 _NET_DEV_HEADER = (
@@ -246,8 +240,8 @@ def _units(count_bytes: int, unit: int) -> int:
 
 
 def _stat(cpus: tuple[CpuTimes, ...], btime: int, last_pid: int) -> str:
-    per_cpu = [[_ticks(getattr(c, mode)) for mode in _CPU_MODES] for c in cpus]
-    total = [sum(column) for column in zip(*per_cpu, strict=True)] or [0] * len(_CPU_MODES)
+    per_cpu = [[_ticks(getattr(c, mode)) for mode in CPU_MODES] for c in cpus]
+    total = [sum(column) for column in zip(*per_cpu, strict=True)] or [0] * len(CPU_MODES)
     # guest and guest_nice close each line; they are already counted in user and nice.
     lines = ["cpu  " + _join([*total, 0, 0])]
     lines += [f"cpu{c.cpu} " + _join([*t, 0, 0]) for c, t in zip(cpus, per_cpu, strict=True)]
