@@ -73,14 +73,15 @@ def render(snapshot: Snapshot) -> Group:
         "power",
         "SM clock",
         "throttle",
-        "PCIe tx/rx",
+        "queue",
+        f"wait ({snapshot.window_seconds:.0f}s)",
         "processes",
     ):
         table.add_column(column, no_wrap=True)
     for gpu in sample.gpus:
         if gpu.lost:
             table.add_row(
-                str(gpu.index), gpu.name or "?", Text("LOST", style="bold red"), *([""] * 8)
+                str(gpu.index), gpu.name or "?", Text("LOST", style="bold red"), *([""] * 9)
             )
             continue
         win = gpu_windows.get(gpu.uuid)
@@ -96,10 +97,7 @@ def render(snapshot: Snapshot) -> Group:
         if gpu.power_limit_watts:
             power += f"/{gpu.power_limit_watts:.0f} W"
         reasons = sorted((gpu.throttle_reasons or frozenset()) - {"gpu_idle"})
-        pcie = (
-            f"{_fmt(_mib(gpu.pcie_tx_bytes_per_second), '.0f')}/"
-            f"{_fmt(_mib(gpu.pcie_rx_bytes_per_second), '.0f')} MiB/s"
-        )
+        queue, wait = _serving(snapshot, gpu.index)
         procs = []
         for proc in gpu.processes:
             host = sample.processes.get(proc.pid)
@@ -118,7 +116,8 @@ def render(snapshot: Snapshot) -> Group:
             power,
             _fmt(None if gpu.sm_clock_hertz is None else gpu.sm_clock_hertz / 1e6, ".0f", " MHz"),
             Text(",".join(reasons) or "-", style="red" if reasons else "dim"),
-            pcie,
+            queue,
+            wait,
             ", ".join(procs) or "-",
         )
     lines = [table]
@@ -134,8 +133,26 @@ def render(snapshot: Snapshot) -> Group:
     return Group(*lines)
 
 
-def _mib(value: float | None) -> float | None:
-    return None if value is None else value / 2**20
+def _serving(snapshot: Snapshot, gpu: int) -> tuple[Text, str]:
+    """Requests waiting in front of the GPU now, and their mean batch-assembly delay over the
+    window (from the serving sources mapped to it)."""
+    depths = [
+        s.queue_depth
+        for s in snapshot.sample.serving
+        if s.gpu_index == gpu and s.queue_depth is not None
+    ]
+    waits = [
+        w.batch_assembly_delay_seconds
+        for w in snapshot.window.serving
+        if w.gpu_index == gpu and w.batch_assembly_delay_seconds is not None
+    ]
+    if not depths:
+        queue = Text("-", style="dim")
+    else:
+        total = sum(depths)
+        queue = Text(f"{total:.0f}", style="red" if total >= 8 else "yellow" if total else "")
+    wait = "-" if not waits else f"{1000 * max(waits):.0f} ms"
+    return queue, wait
 
 
 def run(args: argparse.Namespace) -> int:

@@ -296,9 +296,7 @@ class LiveLab:
                         return self._figures_from(name, await resp.json())
             # down (crashed, or not answering): its counters hold, nothing runs
             if previous is None:
-                previous = WorkerFigures(
-                    name, 0, False, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0.0, 0
-                )
+                previous = _not_started(name)
             return replace(
                 previous,
                 up=False,
@@ -493,9 +491,14 @@ class LiveLab:
         self._loop = asyncio.get_running_loop()
         self._halt = asyncio.Event()
         library_dir = build_library(self.build_dir).parent
-        for name in self.configs:
-            self._spawn(name)
         try:
+            if self.start_exporter:
+                # before the workers, so the first OTLP pushes find it; it sees the GPUs idle
+                # until the workers are up
+                self._write_state({w.name: _not_started(w.name) for w in self.plan.workers})
+                self.exporter = self._start_exporter(library_dir)
+            for name in self.configs:
+                self._spawn(name)
             async with aiohttp.ClientSession() as session:
                 await self._wait_ready(session, list(self.configs))
                 figures = await self._poll(session)
@@ -504,8 +507,6 @@ class LiveLab:
                 )
                 self._write_state(figures)
                 self._write_procfs()
-                if self.start_exporter:
-                    self.exporter = self._start_exporter(library_dir)
                 config = self._haproxy_config()
                 with haproxy.HaproxyProcess(config) as balancer:
                     api = haproxy.RuntimeApi(config.socket_path)
@@ -607,10 +608,7 @@ class LiveLab:
             )
 
     def _stop(self) -> None:
-        if self.exporter is not None and self.exporter.process.poll() is None:
-            self.exporter.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.exporter.process.wait(timeout=10)
+        # workers first: an OTLP worker's last push still finds the exporter
         for process in self.processes.values():
             if process.is_alive():
                 process.terminate()
@@ -618,6 +616,14 @@ class LiveLab:
             process.join(10)
             if process.is_alive():
                 process.kill()
+        if self.exporter is not None and self.exporter.process.poll() is None:
+            self.exporter.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.exporter.process.wait(timeout=10)
+
+
+def _not_started(name: str) -> WorkerFigures:
+    return WorkerFigures(name, 0, False, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0.0, 0)
 
 
 def run_live(
