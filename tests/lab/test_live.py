@@ -52,7 +52,11 @@ def scenario(**changes: Any) -> dict[str, Any]:
 
 
 def run_live(
-    data: dict[str, Any], fakenvml_dir: Path, probe: Callable[[LiveLab], Any], probe_after: float
+    data: dict[str, Any],
+    fakenvml_dir: Path,
+    probe: Callable[[LiveLab], Any],
+    probe_after: float,
+    window: float = 4.0,
 ) -> tuple[LiveLab, list[Any], Any]:
     """Run the live lab in a thread; call ``probe(lab)`` ``probe_after`` s into the run."""
     the_plan = plan(Scenario.model_validate(data))
@@ -64,7 +68,14 @@ def run_live(
         requests,
         duration,
         start_exporter=True,
-        exporter_args=("--interval", "0.5", "--window", "4", "--trend-window", "8"),
+        exporter_args=(
+            "--interval",
+            "0.5",
+            "--window",
+            str(window),
+            "--trend-window",
+            str(2 * window),
+        ),
         build_dir=fakenvml_dir,
         on_ready=lambda _: ready.set(),
     )
@@ -118,7 +129,7 @@ def test_exporter_sees_the_live_lab_and_no_request_is_lost(fakenvml_dir: Path) -
 
 def test_host_bound_worker_shows_through_the_lab_procfs(fakenvml_dir: Path) -> None:
     data = scenario(
-        duration_seconds=10,
+        duration_seconds=15,
         hardware={"gpus": [{"card": "RTX 4090"}]},
         workers=[
             {
@@ -130,7 +141,8 @@ def test_host_bound_worker_shows_through_the_lab_procfs(fakenvml_dir: Path) -> N
         ],
     )
     data["traffic"][0]["output_tokens"] = {"kind": "fixed", "value": 8}
-    _, sent, (records, metrics) = run_live(data, fakenvml_dir, scrape, probe_after=7)
+    # the lab writes its procfs tree once a second: a window of many writes averages the steps
+    _, sent, (records, metrics) = run_live(data, fakenvml_dir, scrape, probe_after=12, window=10)
     # 6 req/s at 0.4 CPU-s each is 2.4 cores of demand on a single-threaded feeder: the
     # exporter sees it pinned at one core, from the lab's procfs, whatever this machine does,
     # and the GPU behind it idles
