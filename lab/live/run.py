@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +98,7 @@ class LiveLab:
     # OTLP pushes to the exporter (only when the lab runs one)
     metrics_formats: Sequence[str] | None = None
     on_ready: Callable[[LiveLab], None] | None = None
+    keep_files: bool = False  # leave run_dir (state, procfs tree, logs) behind for a look
 
     def __post_init__(self) -> None:
         self.ctx = multiprocessing.get_context("spawn")
@@ -527,7 +529,7 @@ class LiveLab:
                             [r for r in self.requests if r.arrival_seconds < self.duration_seconds],
                             f"http://127.0.0.1:{self.frontend_port}",
                             clock_origin=origin,
-                            cookie_for=cookie_for or self._cookie_for(config),
+                            cookie_for=cookie_for or self._cookie_for(),
                         )
                     )
                     halted = asyncio.create_task(self._halt.wait())
@@ -548,7 +550,7 @@ class LiveLab:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._halt.set)
 
-    def _cookie_for(self, config: haproxy.HaproxyConfig) -> Callable[[Request], str | None]:
+    def _cookie_for(self) -> Callable[[Request], str | None]:
         if self.plan.scenario.router.policy != "sticky":
             return lambda request: None
         pools = {w.pool: [x.name for x in self.plan.workers_in(w.pool)] for w in self.plan.workers}
@@ -620,6 +622,8 @@ class LiveLab:
             self.exporter.process.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.exporter.process.wait(timeout=10)
+        if not self.keep_files:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _not_started(name: str) -> WorkerFigures:
