@@ -20,7 +20,7 @@ from harness import Metrics
 
 from gpubalance.lab import traffic
 from gpubalance.lab.live.run import LiveLab
-from gpubalance.lab.scenario import Scenario, plan
+from gpubalance.lab.scenario import Plan, Scenario, plan
 
 pytestmark = pytest.mark.skipif(
     shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
@@ -52,16 +52,17 @@ def scenario(**changes: Any) -> dict[str, Any]:
 
 
 def run_live(
-    data: dict[str, Any],
+    data: dict[str, Any] | Plan,
     fakenvml_dir: Path,
     probe: Callable[[LiveLab], Any],
     probe_after: float,
     window: float = 4.0,
+    duration: float | None = None,
 ) -> tuple[LiveLab, list[Any], Any]:
     """Run the live lab in a thread; call ``probe(lab)`` ``probe_after`` s into the run."""
-    the_plan = plan(Scenario.model_validate(data))
-    duration = the_plan.scenario.duration_seconds
-    requests = traffic.generate(the_plan.scenario.traffic, duration, seed=1)
+    the_plan = data if isinstance(data, Plan) else plan(Scenario.model_validate(data))
+    duration = duration or the_plan.scenario.duration_seconds
+    requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
     ready = threading.Event()
     lab = LiveLab(
         the_plan,
@@ -141,13 +142,14 @@ def test_host_bound_worker_shows_through_the_lab_procfs(fakenvml_dir: Path) -> N
         ],
     )
     data["traffic"][0]["output_tokens"] = {"kind": "fixed", "value": 8}
-    # the lab writes its procfs tree once a second: a window of many writes averages the steps
+    # the lab writes its procfs tree once a second, so a 10 s window's CPU delta can carry up to
+    # one write more or less than its wall time: the reading is exact to within 10 %
     _, sent, (records, metrics) = run_live(data, fakenvml_dir, scrape, probe_after=12, window=10)
     # 6 req/s at 0.4 CPU-s each is 2.4 cores of demand on a single-threaded feeder: the
     # exporter sees it pinned at one core, from the lab's procfs, whatever this machine does,
     # and the GPU behind it idles
     usage = metrics.value("gpubalance_process_cpu_usage_ratio", process="lab-w0")
-    assert 0.8 <= usage <= 1.05
+    assert 0.8 <= usage <= 1.1
     assert metrics.value("gpubalance_gpu_utilization_ratio", gpu="0") < 0.5
     assert metrics.value("gpubalance_host_pressure_ratio", resource="cpu", kind="some") >= 0
     assert sorted(r.id for r in records) == [r.id for r in sent]
@@ -177,31 +179,20 @@ def test_serving_signals_at_the_exporter_agree_with_the_lab(fakenvml_dir: Path) 
     delay over its window agree with the lab's own figures within 10 %."""
     from gpubalance.lab import scenario as scenarios
 
-    the_plan = scenarios.load("skewed-heterogeneous")
-    duration = 55.0
-    requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
-    ready = threading.Event()
-    lab = LiveLab(
-        the_plan,
-        requests,
-        duration,
-        start_exporter=True,
-        exporter_args=("--interval", "0.5", "--window", "30", "--trend-window", "60"),
-        build_dir=fakenvml_dir,
-        on_ready=lambda _: ready.set(),
-    )
-    assert {c.metrics_format for c in lab.configs.values()} == {"vllm", "triton", "otlp"}
-    thread = threading.Thread(target=lambda: asyncio.run(lab.run()))
-    thread.start()
-    try:
-        assert ready.wait(90)
-        time.sleep(48)
+    def probe(lab: LiveLab) -> tuple[dict[str, Any], Metrics]:
+        assert {c.metrics_format for c in lab.configs.values()} == {"vllm", "triton", "otlp"}
         assert lab.exporter is not None
         with urllib.request.urlopen(lab.exporter.url + "/api/v1/snapshot", timeout=10) as resp:
-            snapshot = json.loads(resp.read())
-        metrics = scrape(lab)
-    finally:
-        thread.join(180)
+            return json.loads(resp.read()), scrape(lab)
+
+    lab, _, (_, (snapshot, metrics)) = run_live(
+        scenarios.load("skewed-heterogeneous"),
+        fakenvml_dir,
+        probe,
+        probe_after=48,
+        window=30,
+        duration=55,
+    )
     window = snapshot["window"]
     start, end = window["start_seconds"], window["end_seconds"]
     frames = [f for f in lab.frames if start <= lab.telemetry.origin + float(f["t"]) <= end]
