@@ -7,7 +7,7 @@ the hardware or the kernel cannot give is ``None``, never 0 or NaN.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +171,28 @@ class ProcessHostStats:
     create_time_seconds: float  # with pid, identifies the process across samples
 
 
-@dataclass(frozen=True, slots=True)
-class ServingSample:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingMeasures:
+    """What a serving queue reports, as a source states it and as the exporter serves it."""
+
+    queue_depth: float | None = None  # requests waiting for a batch
+    running: float | None = None  # requests in the batch on the GPU
+    batch_assembly_delay_seconds_sum: float | None = None  # per request: enqueue -> batch start
+    batch_assembly_delay_seconds_count: float | None = None
+    batch_size_sum: float | None = None
+    batch_size_count: float | None = None
+    request_duration_seconds_sum: float | None = None
+    request_duration_seconds_count: float | None = None
+    allocation_failures_total: float | None = None
+    kv_cache_usage_ratio: float | None = None
+
+    def measures(self) -> dict[str, float | None]:
+        """The measures alone, to carry them onto another serving type."""
+        return {f.name: getattr(self, f.name) for f in fields(ServingMeasures)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingSample(ServingMeasures):
     """One serving queue in front of a GPU (a worker), as its server reports it.
 
     Distributions are kept as cumulative sums and counts (as Prometheus histograms and Triton's
@@ -187,16 +207,6 @@ class ServingSample:
     up: bool = True
     tenant: str | None = None
     queue: str = ""  # the queue within its worker (a model, an engine, a TP rank)
-    queue_depth: float | None = None  # requests waiting for a batch
-    running: float | None = None  # requests in the batch on the GPU
-    batch_assembly_delay_seconds_sum: float | None = None
-    batch_assembly_delay_seconds_count: float | None = None
-    batch_size_sum: float | None = None
-    batch_size_count: float | None = None
-    request_duration_seconds_sum: float | None = None
-    request_duration_seconds_count: float | None = None
-    allocation_failures_total: float | None = None
-    kv_cache_usage_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

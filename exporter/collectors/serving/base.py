@@ -2,8 +2,8 @@
 
 A scrape adapter (Triton, vLLM, TGI, SGLang: one per file in this package) turns one endpoint's
 exposition text into :class:`ServingReading` records; the OTLP receiver does the same for
-pushed metrics. Distributions are kept as cumulative sums and counts, so a window can turn them
-into means (the telemetry type :class:`gpubalance.telemetry.ServingSample` does the same).
+pushed metrics. A reading carries the same measures as the telemetry type
+:class:`gpubalance.telemetry.ServingSample` it becomes once the exporter knows its GPU.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpubalance.telemetry import ServingMeasures
 
 # Bounds on what one scrape may hold: a server answering with more is broken or hostile.
 MAX_EXPOSITION_BYTES = 8 * 1024 * 1024
@@ -27,8 +29,8 @@ class ParseError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class ServingReading:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingReading(ServingMeasures):
     """One queue of a serving source (a model on a server, an engine, a TP rank, a worker)."""
 
     key: str  # identifies the queue within its source, e.g. "model=llama,version=1"
@@ -36,16 +38,6 @@ class ServingReading:
     rank: int | None = None  # position among the endpoint's GPUs (SGLang tp_rank)
     service_class: str | None = None
     tenant: str | None = None
-    queue_depth: float | None = None  # requests waiting
-    running: float | None = None  # requests in the batch being served
-    batch_assembly_delay_seconds_sum: float | None = None  # per request: enqueue -> batch start
-    batch_assembly_delay_seconds_count: float | None = None
-    batch_size_sum: float | None = None
-    batch_size_count: float | None = None
-    request_duration_seconds_sum: float | None = None
-    request_duration_seconds_count: float | None = None
-    allocation_failures_total: float | None = None
-    kv_cache_usage_ratio: float | None = None
 
 
 def parse_exposition(text: str) -> dict[str, Metric]:

@@ -81,16 +81,7 @@ class ServingCollector:
             service_class=service_class,
             tenant=reading.tenant,
             queue=reading.key,
-            queue_depth=reading.queue_depth,
-            running=reading.running,
-            batch_assembly_delay_seconds_sum=reading.batch_assembly_delay_seconds_sum,
-            batch_assembly_delay_seconds_count=reading.batch_assembly_delay_seconds_count,
-            batch_size_sum=reading.batch_size_sum,
-            batch_size_count=reading.batch_size_count,
-            request_duration_seconds_sum=reading.request_duration_seconds_sum,
-            request_duration_seconds_count=reading.request_duration_seconds_count,
-            allocation_failures_total=reading.allocation_failures_total,
-            kv_cache_usage_ratio=reading.kv_cache_usage_ratio,
+            **reading.measures(),
         )
 
     def _gpu(self, stored: StoredReading, gpus: Sequence[GpuSample]) -> GpuSample | None:
