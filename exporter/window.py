@@ -53,7 +53,7 @@ def compute_window(history: Sequence[Sample], seconds: float, trend_seconds: flo
         gpus=tuple(_gpu_window(gpu, recent, trend, end - seconds) for gpu in last.gpus),
         host=_host_window(first.host, last.host, end - first.timestamp_seconds),
         processes=_process_windows(recent),
-        serving=tuple(_serving_window(serving, recent) for serving in last.serving),
+        serving=_serving_windows(recent),
     )
 
 
@@ -256,17 +256,6 @@ def _process_windows(recent: Sequence[Sample]) -> dict[int, ProcessWindow]:
     return windows
 
 
-def _same_worker(sample: Sample, serving: ServingSample) -> ServingSample | None:
-    for other in sample.serving:
-        if (other.worker, other.source, other.queue) == (
-            serving.worker,
-            serving.source,
-            serving.queue,
-        ):
-            return other
-    return None
-
-
 def _mean_of_delta(
     first: ServingSample, last: ServingSample, total: str, count: str
 ) -> float | None:
@@ -280,13 +269,33 @@ def _mean_of_delta(
     return d_sum / d_count
 
 
-def _serving_window(serving: ServingSample, recent: Sequence[Sample]) -> ServingWindow:
-    series = [s for sample in recent if (s := _same_worker(sample, serving)) is not None]
-    first = series[0]
-    depths = [s.queue_depth for s in series if s.queue_depth is not None]
-    elapsed = recent[-1].timestamp_seconds - next(
-        sample.timestamp_seconds for sample in recent if _same_worker(sample, serving) is not None
+def _serving_windows(recent: Sequence[Sample]) -> tuple[ServingWindow, ...]:
+    """A window per queue of the latest sample, from that queue's samples in ``recent``.
+
+    A queue is (worker, source, queue); each sample is indexed once, so the cost grows with
+    samples times queues, not with the square of the queues.
+    """
+    series: dict[tuple[str, str, str], list[tuple[float, ServingSample]]] = {}
+    for sample in recent:
+        seen: set[tuple[str, str, str]] = set()
+        for serving in sample.serving:
+            key = (serving.worker, serving.source, serving.queue)
+            if key not in seen:  # a queue reported twice in one sample counts once
+                seen.add(key)
+                series.setdefault(key, []).append((sample.timestamp_seconds, serving))
+    end = recent[-1].timestamp_seconds
+    return tuple(
+        _serving_window(serving, series[(serving.worker, serving.source, serving.queue)], end)
+        for serving in recent[-1].serving
     )
+
+
+def _serving_window(
+    serving: ServingSample, series: Sequence[tuple[float, ServingSample]], end: float
+) -> ServingWindow:
+    start, first = series[0]
+    depths = [s.queue_depth for _, s in series if s.queue_depth is not None]
+    elapsed = end - start
     requests = allocation = None
     if elapsed > 0 and first is not serving:
         if (

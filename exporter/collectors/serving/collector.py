@@ -21,6 +21,15 @@ from gpubalance.telemetry import GpuSample, ServingSample, ServingSourceStatus
 FORGET_AFTER_SECONDS = 300.0
 
 
+class _Gpus:
+    """The GPUs of one sample that are not lost, looked up by UUID and index."""
+
+    def __init__(self, live: Sequence[GpuSample]) -> None:
+        self.live = live
+        self.by_uuid = {g.uuid: g for g in live}
+        self.by_index = {g.index: g for g in live}
+
+
 class ServingCollector:
     name = "serving"
 
@@ -37,7 +46,7 @@ class ServingCollector:
         # stale series are not served; long-stale ones are forgotten, so pushed series of
         # workers that are gone cannot fill the store
         self.store.prune(now - max(FORGET_AFTER_SECONDS, 10 * stale_after))
-        gpus = [g for g in parts.gpus if not g.lost]
+        gpus = _Gpus([g for g in parts.gpus if not g.lost])
         fresh = [r for r in self.store.readings() if now - r.received_at <= stale_after]
         parts.serving = tuple(
             sorted(
@@ -68,7 +77,7 @@ class ServingCollector:
     def close(self) -> None:
         pass
 
-    def _sample(self, stored: StoredReading, gpus: Sequence[GpuSample]) -> ServingSample:
+    def _sample(self, stored: StoredReading, gpus: _Gpus) -> ServingSample:
         reading = stored.reading
         gpu = self._gpu(stored, gpus)
         endpoint = self.endpoints.get((stored.source, stored.endpoint))
@@ -84,37 +93,30 @@ class ServingCollector:
             **reading.measures(),
         )
 
-    def _gpu(self, stored: StoredReading, gpus: Sequence[GpuSample]) -> GpuSample | None:
+    def _gpu(self, stored: StoredReading, gpus: _Gpus) -> GpuSample | None:
         reading = stored.reading
-        by_uuid = {g.uuid: g for g in gpus}
-        by_index = {g.index: g for g in gpus}
         if reading.gpu_uuid is not None:
-            return by_uuid.get(reading.gpu_uuid)
+            return gpus.by_uuid.get(reading.gpu_uuid)
         endpoint = self.endpoints.get((stored.source, stored.endpoint))
         if endpoint is not None:
-            return self._configured(endpoint, reading.rank, by_uuid, by_index, gpus)
+            return self._configured(endpoint, reading.rank, gpus)
         if stored.gpu_index is not None:
-            return by_index.get(stored.gpu_index)
+            return gpus.by_index.get(stored.gpu_index)
         return None
 
     def _configured(
-        self,
-        endpoint: ServingEndpoint,
-        rank: int | None,
-        by_uuid: dict[str, GpuSample],
-        by_index: dict[int, GpuSample],
-        gpus: Sequence[GpuSample],
+        self, endpoint: ServingEndpoint, rank: int | None, gpus: _Gpus
     ) -> GpuSample | None:
         if endpoint.gpus is not None and rank is not None and rank < len(endpoint.gpus):
-            return by_index.get(endpoint.gpus[rank])
+            return gpus.by_index.get(endpoint.gpus[rank])
         if isinstance(endpoint.gpu, int):
-            return by_index.get(endpoint.gpu)
+            return gpus.by_index.get(endpoint.gpu)
         if isinstance(endpoint.gpu, str):
-            return by_uuid.get(endpoint.gpu)
+            return gpus.by_uuid.get(endpoint.gpu)
         port = urlsplit(endpoint.url).port
         if port is None:
             port = 443 if endpoint.url.startswith("https") else 80
-        found = sorted(self.mapper.gpus(port, gpus), key=lambda g: g.index)
+        found = sorted(self.mapper.gpus(port, gpus.live), key=lambda g: g.index)
         if len(found) == 1:
             return found[0]
         if rank is not None and rank < len(found):
