@@ -13,7 +13,10 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpubalance.exporter.config import ExporterConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -91,20 +94,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in vars(args).items()
         if key.startswith("collector__") and value is not None
     }
-    serving = None
-    if args.serving:
-        endpoints = []
-        for spec in args.serving:
-            form, sep, url = spec.partition("=")
-            if not sep:
-                raise ValueError(
-                    f"--serving {spec!r}: expected FORMAT=URL, e.g. vllm=http://127.0.0.1:8000/metrics"
-                )
-            endpoints.append({"format": form, "url": url})
-        serving = {"endpoints": endpoints}
     return {
         "listen": args.listen,
-        "serving": serving,
         "interval": args.interval,
         "window": args.window,
         "trend_window": args.trend_window,
@@ -116,9 +107,52 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    from gpubalance.config import ConfigError, load_section
+def _flag_endpoints(specs: list[str]) -> list[dict[str, str]]:
+    endpoints = []
+    for spec in specs:
+        form, sep, url = spec.partition("=")
+        if not sep:
+            raise ValueError(
+                f"--serving {spec!r}: expected FORMAT=URL, e.g. vllm=http://127.0.0.1:8000/metrics"
+            )
+        endpoints.append({"format": form, "url": url})
+    return endpoints
+
+
+def load_config(args: argparse.Namespace) -> ExporterConfig:
+    """The config file with the flags applied; --serving endpoints add to the file's.
+
+    An endpoint given both ways (same URL) takes the flag's format.
+    """
+    from gpubalance.config import load_section
     from gpubalance.exporter.config import ExporterConfig
+
+    overrides = _overrides(args)
+    config = load_section(ExporterConfig, args.config, "exporter", overrides)
+    if not args.serving:
+        return config
+    flagged = _flag_endpoints(args.serving)
+    urls = {e["url"] for e in flagged}
+    kept = [
+        e.model_dump(by_alias=True, exclude_none=True)
+        for e in config.serving.endpoints
+        if e.url not in urls
+    ]
+    replaced = len(config.serving.endpoints) - len(kept)
+    if config.serving.endpoints:
+        logging.getLogger("gpubalance.exporter").info(
+            "--serving adds %d endpoint(s) to the %d of %s%s",
+            len(flagged) - replaced,
+            len(config.serving.endpoints),
+            args.config,
+            f" ({replaced} given both ways: the flag's format is used)" if replaced else "",
+        )
+    overrides["serving"] = {"endpoints": kept + flagged}
+    return load_section(ExporterConfig, args.config, "exporter", overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpubalance.config import ConfigError
 
     if args.print_schema:
         from gpubalance.snapshot import json_schema
@@ -127,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
-        config = load_section(ExporterConfig, args.config, "exporter", _overrides(args))
+        config = load_config(args)
         collectors = build_collectors(config)
     except (ConfigError, ValueError) as exc:
         print(f"gpubalance exporter: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`gpubalance ... | head`): stop quietly, as coreutils do;
+        # stdout goes to /dev/null so the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # killed by SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ def _describe(error: Mapping[str, Any]) -> str:
     got = error.get("input")
     if kind in _TYPE_WORDS:
         return f"expected {_TYPE_WORDS[kind]}, got {got!r}"
+    if kind == "value_error":
+        # our validators raise ValueError with a message that already says what was given
+        return str(error["ctx"]["error"])
     return f"{error['msg']} (got {got!r})"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,66 @@ def test_cli_rejects_unknown_collector_in_file(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "unknown collector(s) ['gpus']" in result.stderr
+
+
+def test_a_validator_message_says_what_was_given_once() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_section(ExporterConfig, None, "exporter", {"listen": "foo"})
+    assert str(error.value) == "command line: --listen: expected HOST:PORT, got 'foo'"
+
+
+def _config_from_command_line(*argv: str) -> ExporterConfig:
+    from gpubalance.cli import build_parser
+    from gpubalance.exporter.cli import load_config
+
+    return load_config(build_parser().parse_args(["exporter", *argv]))
+
+
+def test_serving_flags_add_to_the_files_endpoints(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "exporter:\n  serving:\n    timeout: 0.25\n    endpoints:\n"
+        "      - {url: 'http://127.0.0.1:8000/metrics', format: vllm, gpu: 1, class: batch}\n"
+        "      - {url: 'http://127.0.0.1:8001/metrics', format: tgi}\n",
+    )
+    config = _config_from_command_line(
+        "--config",
+        str(path),
+        "--serving",
+        "triton=http://127.0.0.1:8002/metrics",
+        "--serving",
+        "sglang=http://127.0.0.1:8001/metrics",
+    )
+    assert config.serving.timeout == 0.25
+    by_url = {e.url: e for e in config.serving.endpoints}
+    assert {url: e.format for url, e in by_url.items()} == {
+        "http://127.0.0.1:8000/metrics": "vllm",
+        "http://127.0.0.1:8001/metrics": "sglang",  # given both ways: the flag's format
+        "http://127.0.0.1:8002/metrics": "triton",
+    }
+    kept = by_url["http://127.0.0.1:8000/metrics"]
+    assert (kept.gpu, kept.service_class) == (1, "batch")
+
+
+def test_a_bad_serving_flag_is_named_as_a_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, "exporter:\n  serving:\n    endpoints: []\n")
+    with pytest.raises(ConfigError, match=r"command line: --serving: .*http:// or https://"):
+        _config_from_command_line("--config", str(path), "--serving", "vllm=ftp://x/metrics")
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    # `gpubalance exporter --print-schema | head -1`: no traceback, the shell's SIGPIPE status.
+    # The reader is gone before the first write, so the write fails whatever the pipe's size.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gpubalance", "exporter", "--print-schema"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
