@@ -76,6 +76,74 @@ TRITON = [
     ),
 ]
 
+# Triton 24.05: failures without a reason, taken whole
+TRITON_BEFORE_FAILURE_REASONS = [
+    ServingReading(
+        key="model=preprocess,version=1",
+        queue_depth=0.0,
+        batch_assembly_delay_seconds_sum=0.6,
+        batch_assembly_delay_seconds_count=60000.0,
+        batch_size_sum=60000.0,
+        batch_size_count=60000.0,
+        request_duration_seconds_sum=12.0,
+        request_duration_seconds_count=60000.0,
+        allocation_failures_total=2.0,
+    ),
+    *(
+        ServingReading(
+            key=f"model=resnet50,version=1,gpu_uuid={gpu}",
+            gpu_uuid=gpu,
+            queue_depth=4.0,  # 8 pending, shared by the two GPUs
+            batch_assembly_delay_seconds_sum=delay,
+            batch_assembly_delay_seconds_count=requests,
+            batch_size_sum=requests,
+            batch_size_count=batches,
+            request_duration_seconds_sum=duration,
+            request_duration_seconds_count=requests,
+            allocation_failures_total=failures,
+        )
+        for gpu, delay, requests, batches, duration, failures in (
+            (GPU0, 15.1, 30200.0, 3775.0, 90.6, 6.0),
+            (GPU1, 17.88, 29800.0, 4257.0, 92.38, 0.0),
+        )
+    ),
+]
+
+
+def _triton_cpu_model(model: str, requests: float, batches: float, delay: float, duration: float):
+    return ServingReading(
+        key=f"model={model},version=1",
+        queue_depth=0.0,
+        batch_assembly_delay_seconds_sum=delay,
+        batch_assembly_delay_seconds_count=requests,
+        batch_size_sum=requests,
+        batch_size_count=batches,
+        request_duration_seconds_sum=duration,
+        request_duration_seconds_count=requests,
+        allocation_failures_total=0.0,  # the ensemble's 5 failures are OTHER, not BACKEND
+    )
+
+
+# Triton with the TensorRT-LLM backend: the queue, the batch and the KV cache are TensorRT-LLM's
+TRITON_TENSORRT_LLM = [
+    _triton_cpu_model("ensemble", 5120.0, 5120.0, 5.12, 40960.0),
+    _triton_cpu_model("postprocessing", 614400.0, 307200.0, 61.44, 307.2),
+    _triton_cpu_model("preprocessing", 5125.0, 2050.0, 10.25, 25.625),
+    ServingReading(
+        key="model=tensorrt_llm,version=1",
+        queue_depth=15.0,  # 1 pending in Triton, 14 waiting in TensorRT-LLM's executor
+        running=48.0,
+        batch_assembly_delay_seconds_sum=2.56,
+        batch_assembly_delay_seconds_count=5120.0,
+        batch_size_sum=5120.0,
+        batch_size_count=4096.0,
+        request_duration_seconds_sum=38912.0,
+        request_duration_seconds_count=5120.0,
+        allocation_failures_total=5.0,
+        kv_cache_usage_ratio=0.625,  # 5120 of 8192 blocks
+    ),
+]
+
 VLLM = [
     ServingReading(
         key=f"engine=0,model_name={LLAMA}",
@@ -135,12 +203,28 @@ SGLANG = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [("triton", TRITON), ("vllm", VLLM), ("tgi", TGI), ("sglang", SGLANG)],
-)
-def test_each_server_fixture_reads_exactly(name: str, expected: list[ServingReading]) -> None:
-    assert read(name, fixture(name)) == expected
+# fixture -> (format, readings)
+FIXTURES_READ = {
+    "triton": ("triton", TRITON),
+    "triton_before_failure_reasons": ("triton", TRITON_BEFORE_FAILURE_REASONS),
+    "triton_tensorrt_llm": ("triton", TRITON_TENSORRT_LLM),
+    "vllm": ("vllm", VLLM),
+    "tgi": ("tgi", TGI),
+    "sglang": ("sglang", SGLANG),
+}
+
+
+@pytest.mark.parametrize("name", FIXTURES_READ)
+def test_each_server_fixture_reads_exactly(name: str) -> None:
+    format, expected = FIXTURES_READ[name]
+    assert read(format, fixture(name)) == expected
+
+
+def test_every_fixture_is_read_and_names_what_it_follows() -> None:
+    assert {p.stem for p in FIXTURES.glob("*.txt")} == set(FIXTURES_READ)
+    for name in FIXTURES_READ:
+        header = fixture(name).split("\n# HELP", 1)[0]
+        assert header.startswith("# ") and any(c.isdigit() for c in header), name
 
 
 def test_the_registry_holds_every_configurable_format() -> None:
@@ -161,11 +245,11 @@ def test_no_metrics_of_the_format_give_no_readings() -> None:
     assert read("tgi", "") == []
 
 
-@pytest.mark.parametrize("name", ["triton", "vllm", "tgi", "sglang"])
+@pytest.mark.parametrize("name", FIXTURES_READ)
 def test_counters_read_alike_with_and_without_total(name: str) -> None:
     """prometheus-cpp and metrics-exporter-prometheus write counters without ``_total``,
     prometheus_client with it; a server or proxy may do either."""
-    text = fixture(name)
+    format, text = FIXTURES_READ[name][0], fixture(name)
     counters = {
         line.split()[2]
         for line in text.splitlines()
@@ -183,7 +267,7 @@ def test_counters_read_alike_with_and_without_total(name: str) -> None:
                 line = _toggle_total(line[:name_end]) + line[name_end:]
         toggled.append(line)
     assert "\n".join(toggled) != text
-    assert read(name, "\n".join(toggled)) == read(name, text)
+    assert read(format, "\n".join(toggled)) == read(format, text)
 
 
 def _toggle_total(name: str) -> str:
@@ -278,23 +362,59 @@ nv_inference_pending_request_count{gpu_uuid="GPU-0",model="m",namespace="b",vers
     ]
 
 
-def test_triton_without_failure_reasons_has_no_allocation_failures() -> None:
-    """Triton before failure reasons counted all failures together: not a BACKEND count."""
-    text = """\
+def test_triton_failures_without_a_reason_count_whole_and_only_backend_ones_with_one() -> None:
+    """Triton before failure reasons counted all failures in one series; since, only BACKEND
+    failures are the backend's (an empty reason is no label, as in Prometheus)."""
+    head = """\
 # HELP nv_inference_request_failure Number of failed inference requests, all batch sizes
 # TYPE nv_inference_request_failure counter
-nv_inference_request_failure{gpu_uuid="GPU-0",model="m",version="1"} 4.000000
-# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
-# TYPE nv_inference_request_success counter
-nv_inference_request_success{gpu_uuid="GPU-0",model="m",version="1"} 96.000000
 """
+    old = 'nv_inference_request_failure{gpu_uuid="GPU-0",model="m",version="1"} 4.000000\n'
+    new = "".join(
+        f'nv_inference_request_failure{{gpu_uuid="GPU-0",model="m",reason="{reason}",version="1"}}'
+        f" {count}\n"
+        for reason, count in (("REJECTED", 9), ("CANCELED", 8), ("BACKEND", 3), ("OTHER", 7))
+    )
+    empty = 'nv_inference_request_failure{gpu_uuid="GPU-0",model="m",reason="",version="1"} 2\n'
+    reading = ServingReading(key="model=m,version=1,gpu_uuid=GPU-0", gpu_uuid="GPU-0")
+    assert read("triton", head + old) == [replace(reading, allocation_failures_total=4.0)]
+    assert read("triton", head + new) == [replace(reading, allocation_failures_total=3.0)]
+    assert read("triton", head + empty) == [replace(reading, allocation_failures_total=2.0)]
+
+
+TRT_LLM_BEFORE_WAITING = """\
+# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution per-model.
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="tensorrt_llm",version="1"} 2
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active",version="1"} 12
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="max",version="1"} 64
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled",version="1"} 12
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="context",version="1"} 1
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"} 64
+"""  # noqa: E501
+
+
+def test_tensorrt_llm_backends_before_the_waiting_count_keep_tritons_pending_count() -> None:
+    """tensorrtllm_backend 7f9aa46 reports no waiting requests, and before its first
+    iteration no KV blocks (max 0): the queue is Triton's own, the KV usage unknown."""
+    assert read("triton", TRT_LLM_BEFORE_WAITING) == [
+        ServingReading(key="model=tensorrt_llm,version=1", queue_depth=2.0, running=12.0)
+    ]
+
+
+def test_tensorrt_llm_gauges_of_a_wrong_type_or_without_their_type_label_are_skipped() -> None:
+    text = TRT_LLM_BEFORE_WAITING.replace(
+        "# TYPE nv_trt_llm_request_metrics gauge", "# TYPE nv_trt_llm_request_metrics counter"
+    ).replace('kv_cache_block_type="tokens_per",', "")
     assert read("triton", text) == [
-        ServingReading(
-            key="model=m,version=1,gpu_uuid=GPU-0",
-            gpu_uuid="GPU-0",
-            batch_assembly_delay_seconds_count=96.0,
-            request_duration_seconds_count=96.0,
-        )
+        ServingReading(key="model=tensorrt_llm,version=1", queue_depth=2.0)
     ]
 
 
