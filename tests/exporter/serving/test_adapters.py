@@ -18,6 +18,7 @@ GPU0 = "GPU-5b1d4d34-8c7e-2f21-0d45-2f5b8c1e7a10"
 GPU1 = "GPU-a3f09c6e-41d2-7b8e-95c0-6e2d1f4b3c87"
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "engine_type=unified,model_name=Qwen/Qwen2.5-32B-Instruct,moe_ep_rank=0,pp_rank=0"
+QWEN3 = "engine_type=unified,model_name=Qwen/Qwen3-32B,moe_ep_rank=0,pp_rank=0"
 
 
 def fixture(name: str) -> str:
@@ -202,6 +203,22 @@ SGLANG = [
     for rank, delay in ((0, 2203.5625), (1, 2205.5625))
 ]
 
+# the queue-time histogram, without moe_ep_rank, joined onto each rank's gauges: two readings
+SGLANG_HISTOGRAM_LABELS = [
+    ServingReading(
+        key=f"{QWEN3},tp_rank={rank}",
+        rank=rank,
+        queue_depth=9.0,
+        running=20.0,
+        batch_assembly_delay_seconds_sum=delay,
+        batch_assembly_delay_seconds_count=1536.0,
+        request_duration_seconds_sum=9984.0,
+        request_duration_seconds_count=1536.0,
+        allocation_failures_total=4.0,
+        kv_cache_usage_ratio=0.75,
+    )
+    for rank, delay in ((0, 812.5), (1, 813.0))
+]
 
 # fixture -> (format, readings)
 FIXTURES_READ = {
@@ -211,6 +228,7 @@ FIXTURES_READ = {
     "vllm": ("vllm", VLLM),
     "tgi": ("tgi", TGI),
     "sglang": ("sglang", SGLANG),
+    "sglang_histogram_labels": ("sglang", SGLANG_HISTOGRAM_LABELS),
 }
 
 
@@ -457,6 +475,70 @@ def test_sglang_tokenizer_alone_gives_its_own_readings() -> None:
         ("customer=x,model_name=m", 10.0),
         ("customer=y,model_name=m", 2.0),
         ("customer=z,model_name=other", 9.0),
+    ]
+
+
+SGLANG_GAUGES = """\
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 3.0
+sglang:num_queue_reqs{model_name="m",tp_rank="1"} 3.0
+# TYPE sglang:queue_time_seconds histogram
+"""
+
+
+def test_sglang_scheduler_histograms_under_other_labels_join_their_gauges() -> None:
+    """A histogram series with labels of its own (a priority) is summed into the gauges' row
+    it fits; one with fewer labels adds to each row it fits; one that fits none is a reading."""
+    text = SGLANG_GAUGES + "".join(
+        f"sglang:queue_time_seconds_{part}{{{labels}}} {value}\n"
+        for labels, sums, count in (
+            ('model_name="m",priority="0",tp_rank="0"', 1.5, 3),
+            ('model_name="m",priority="1",tp_rank="0"', 2.5, 5),
+            ('model_name="m",tp_rank="1"', 4.0, 8),
+            ('model_name="other",tp_rank="2"', 9.0, 9),
+        )
+        for part, value in (("sum", sums), ("count", count))
+    )
+    assert read("sglang", text) == [
+        ServingReading(
+            key=f"model_name=m,tp_rank={tp}",
+            rank=tp,
+            queue_depth=3.0,
+            batch_assembly_delay_seconds_sum=4.0,
+            batch_assembly_delay_seconds_count=8.0,
+        )
+        for tp in (0, 1)
+    ] + [
+        ServingReading(
+            key="model_name=other,tp_rank=2",
+            rank=2,
+            batch_assembly_delay_seconds_sum=9.0,
+            batch_assembly_delay_seconds_count=9.0,
+        )
+    ]
+    # fewer labels: the TP group's one series, whole on each rank
+    group = SGLANG_GAUGES + (
+        'sglang:queue_time_seconds_sum{model_name="m"} 6.0\n'
+        'sglang:queue_time_seconds_count{model_name="m"} 10\n'
+    )
+    assert [
+        (r.key, r.batch_assembly_delay_seconds_sum, r.batch_assembly_delay_seconds_count)
+        for r in read("sglang", group)
+    ] == [("model_name=m,tp_rank=0", 6.0, 10.0), ("model_name=m,tp_rank=1", 6.0, 10.0)]
+
+
+def test_a_pid_label_is_no_part_of_a_reading() -> None:
+    """prometheus_client's multiprocess "all" mode writes a gauge per process with its pid,
+    and keeps a dead process's: a restarted scheduler is the same queue, the later line wins."""
+    text = (
+        "# TYPE sglang:num_queue_reqs gauge\n"
+        'sglang:num_queue_reqs{model_name="m",pid="4101",tp_rank="0"} 7.0\n'
+        'sglang:num_queue_reqs{model_name="m",pid="5230",tp_rank="0"} 2.0\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 5.0\n'
+    )
+    assert read("sglang", text) == [
+        ServingReading(key="model_name=m,tp_rank=0", rank=0, queue_depth=2.0, running=5.0)
     ]
 
 
