@@ -358,13 +358,14 @@ def test_scenario_written_from_the_readme_matches_the_readme_rules(tmp_path: Pat
         for gpu in (0, 1):
             assert float(evidence[key, gpu]["rho"]) == pytest.approx(rho_chat, rel=0.05)
         assert float(evidence[key, 2]["rho"]) == pytest.approx(rho_reports, rel=0.05)
-        # README, "Decision": the chat GPUs need more than the window while GPU 2 idles, so not
-        # every GPU is overloaded (no capacity shortage), and their peers are identical cards
-        # (no slow card): routing_skew. GPU 2 is alone in its pool (no busy peer), has no
-        # crash, no CPU or IO limit and no queue delay: low_demand.
+        # README, "Decision": the chat GPUs need more than the window. GPU 2 idles, but it
+        # serves another model, so the GPUs that could take chat work are the two chat GPUs,
+        # both overloaded: fair rho >= 0.85, capacity_shortage. GPU 2 is alone in its pool (no
+        # busy peer), has no crash, no CPU or IO limit and no queue delay: low_demand.
         if rho_chat >= 0.85 and rho_reports < 0.3:
             for gpu in (0, 1):
-                assert truth[key, gpu] == ("overloaded", "routing_skew")
+                assert float(evidence[key, gpu]["fair_rho"]) == pytest.approx(rho_chat, rel=0.05)
+                assert truth[key, gpu] == ("overloaded", "capacity_shortage")
             assert truth[key, 2] == ("starved", "low_demand")
             checked += 1
     assert checked >= 2
