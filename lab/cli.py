@@ -107,6 +107,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     duration = args.duration or plan.scenario.duration_seconds
     seed = plan.scenario.seed if args.seed is None else args.seed
+    for warning in plan.warnings(duration, seed):
+        print(f"gpubalance lab: warning: {warning}", file=sys.stderr)
     with _progress(duration) as on_sample:
         summary = lab_run.run(
             plan,
