@@ -375,6 +375,7 @@ class _View:
     slow: bool
     busy_peer: bool
     fair_rho: float  # rho of a capacity-proportional split over the GPUs that take its work
+    fair_rho_unthrottled: float  # the same with this GPU at full clock
 
 
 def _judge(
@@ -460,14 +461,16 @@ def _judge(
     sample_p = prompt[index] if len(index) else np.array([512.0])
     sample_o = output[index] if len(index) else np.array([128.0])
     cost: dict[str, float] = {}
+    cost_free: dict[str, float] = {}  # the same at full clock
     for w in plan.workers:
         if w.gpu in figures:
             a, d = models[w.name].request_cost_seconds(w.max_batch_size, sample_p, sample_o)
             c = figures[w.gpu].clock
             cost[w.name] = float((a / c + d / math.sqrt(c)).mean())
+            cost_free[w.name] = float((a + d).mean())
     rows = []
     for gpu, v in figures.items():
-        view = _pool_view(plan, gpu, figures, loads, cost, up)
+        view = _pool_view(plan, gpu, figures, loads, cost, cost_free, up)
         state, cause = _classify(v, view, policy)
         rows.append(
             TruthRow(
@@ -516,6 +519,7 @@ def _pool_view(
     figures: dict[int, _Figures],
     loads: dict[str, _WorkerLoad],
     cost: dict[str, float],
+    cost_free: dict[str, float],
     up: dict[str, float],
 ) -> _View:
     def first(g: int, accept: Callable[[PlannedWorker], bool]) -> PlannedWorker | None:
@@ -523,7 +527,7 @@ def _pool_view(
 
     mine = first(gpu, lambda w: True)
     if mine is None:  # a GPU without workers gets no work and relieves no one
-        return _View(0.0, 0.0, False, False, figures[gpu].rho)
+        return _View(0.0, 0.0, False, False, figures[gpu].rho, figures[gpu].rho)
     # pool peers: the GPUs the same router spreads this GPU's requests over
     pools = {w.pool for w in plan.workers if w.gpu == gpu}
     pool_worker = {g: w for g in figures if (w := first(g, lambda w: w.pool in pools)) is not None}
@@ -547,13 +551,19 @@ def _pool_view(
         and (w := first(g, lambda w: w.model_name == mine.model_name)) is not None
     }
     weight = {g: up[w.name] / cost[w.name] for g, w in fair.items()}
-    total_weight = sum(weight.values())
-    fair_rho = (
-        sum(weight[g] * figures[g].rho for g in fair) / total_weight
-        if total_weight
-        else figures[gpu].rho
-    )
-    return _View(share, capacity_share, slow, busy_peer, fair_rho)
+    rho = {g: figures[g].rho for g in fair}
+    fair_rho = _weighted(rho, weight, figures[gpu].rho)
+    # the same split with this GPU at full clock: what a capacity-aware router would do once
+    # a throttle is lifted
+    weight[gpu] = up[mine.name] / cost_free[mine.name]
+    rho[gpu] = figures[gpu].rho_free
+    fair_rho_unthrottled = _weighted(rho, weight, figures[gpu].rho_free)
+    return _View(share, capacity_share, slow, busy_peer, fair_rho, fair_rho_unthrottled)
+
+
+def _weighted(values: dict[int, float], weights: dict[int, float], default: float) -> float:
+    total = sum(weights.values())
+    return sum(weights[k] * values[k] for k in values) / total if total else default
 
 
 def _classify(v: _Figures, view: _View, policy: str) -> tuple[str, str]:
@@ -562,7 +572,9 @@ def _classify(v: _Figures, view: _View, policy: str) -> tuple[str, str]:
     if rho >= OVERLOADED_RHO or v.memory or v.interference:
         if v.memory:
             return "overloaded", "memory_pressure"
-        if v.clock <= THROTTLED_CLOCK and v.rho_free < OVERLOADED_RHO:
+        # at full clock, would it cope? A capacity-aware router would send it more work then
+        free = view.fair_rho_unthrottled if policy in CAPACITY_AWARE else v.rho_free
+        if v.clock <= THROTTLED_CLOCK and free < OVERLOADED_RHO:
             return "overloaded", "throttling"
         if v.interference and rho < OVERLOADED_RHO:
             return "overloaded", "class_interference"

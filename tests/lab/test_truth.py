@@ -161,7 +161,14 @@ FIGURES = truth._Figures(
     interference=False,
     down=0.0,
 )
-VIEW = truth._View(share=0.5, capacity_share=0.5, slow=False, busy_peer=False, fair_rho=0.5)
+VIEW = truth._View(
+    share=0.5,
+    capacity_share=0.5,
+    slow=False,
+    busy_peer=False,
+    fair_rho=0.5,
+    fair_rho_unthrottled=0.5,
+)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +196,19 @@ VIEW = truth._View(share=0.5, capacity_share=0.5, slow=False, busy_peer=False, f
             {"fair_rho": 0.6},
             "round_robin",
             ("overloaded", "routing_skew"),
+        ),
+        # a capacity-aware router gives the card more work at full clock: the fair split tells
+        (
+            {"rho": 0.9, "clock": 0.5, "rho_free": 0.6},
+            {"fair_rho": 0.9, "fair_rho_unthrottled": 0.8},
+            "least_connections",
+            ("overloaded", "throttling"),
+        ),
+        (
+            {"rho": 0.9, "clock": 0.5, "rho_free": 0.6},
+            {"fair_rho": 0.9, "fair_rho_unthrottled": 0.85},
+            "least_connections",
+            ("overloaded", "capacity_shortage"),
         ),
         # class interference overloads a card below the load threshold
         (
@@ -319,6 +339,28 @@ def test_a_throttled_card_overloaded_even_at_full_clock_is_not_throttling() -> N
     data = spec(rate=1.1 * HOT, events=[{"at": 0.0, "throttle": {"gpu": 0, "clock_ratio": 0.8}}])
     rows, _ = ground_truth(data)
     assert all(r.clock_ratio == 0.8 and r.rho_unthrottled >= truth.OVERLOADED_RHO for r in rows)
+    assert verdicts(rows, 0) == {("overloaded", "capacity_shortage")}
+
+
+@pytest.mark.parametrize(("load", "expected"), [(0.9, "throttling"), (1.2, "capacity_shortage")])
+def test_a_throttle_behind_a_capacity_aware_router_is_the_cause_only_if_lifting_it_helps(
+    load: float, expected: str
+) -> None:
+    # least connections already gives the throttled card less work; at full clock it would
+    # get more. Both cards at rho ~0.9: lifting the throttle brings them to ~0.75; at ~1.2, to
+    # ~1.0, still overloaded
+    capacity = 1 / cost() + 1 / cost(clock_ratio=0.5)
+    throttle = [{"at": 0.0, "throttle": {"gpu": 1, "clock_ratio": 0.5}}]
+    data = spec(
+        rate=load * capacity,
+        cards=("RTX 4090", "RTX 4090"),
+        router={"policy": "least_connections"},
+        events=throttle,
+    )
+    rows, _ = ground_truth(data)
+    for row in rows_of(rows, 1):
+        assert row.rho_unthrottled < truth.OVERLOADED_RHO <= row.rho
+    assert verdicts(rows, 1) == {("overloaded", expected)}
     assert verdicts(rows, 0) == {("overloaded", "capacity_shortage")}
 
 
