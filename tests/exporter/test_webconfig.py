@@ -28,6 +28,7 @@ from gpubalance.exporter.webconfig import (
     load_web_config,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
 # cost 4, the lowest bcrypt allows: these tests check logic, not bcrypt's speed
@@ -281,6 +282,15 @@ def test_cipher_suite_names_are_the_iana_names_of_the_openssl_suites() -> None:
     standard = dict(re.findall(r"^(\S+) +- (\S+)", listing, re.MULTILINE))
     for go_name, openssl_name in CIPHER_SUITES.items():
         assert standard.get(go_name) == openssl_name
+
+
+def test_the_readme_example_loads(folder: Path) -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    examples = [b for b in blocks if b.startswith("tls_server_config:")]
+    assert examples, "the README shows a web config file"
+    for text in examples:
+        config = load_web_config(write(folder, text))
+        assert config.tls is not None and config.users
 
 
 class CountingCheck:
