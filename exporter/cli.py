@@ -31,6 +31,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="address to serve on (default :9450; port 0 picks a free one)",
     )
     parser.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        metavar="FILE",
+        help="TLS and basic auth of the scrape port, in the exporter-toolkit format that "
+        "node_exporter reads; reloaded on SIGHUP",
+    )
+    parser.add_argument(
         "--interval",
         type=float,
         metavar="SECONDS",
@@ -153,6 +160,7 @@ def load_config(args: argparse.Namespace) -> ExporterConfig:
 
 def run(args: argparse.Namespace) -> int:
     from gpubalance.config import ConfigError
+    from gpubalance.exporter.webconfig import WebSecurity
 
     if args.print_schema:
         from gpubalance.snapshot import json_schema
@@ -163,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
         collectors = build_collectors(config)
+        security = WebSecurity(args.web_config_file)
     except (ConfigError, ValueError) as exc:
         print(f"gpubalance exporter: {exc}", file=sys.stderr)
         return 2
@@ -181,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             sampler.stop()
         return 0
-    return asyncio.run(serve(config, sampler))
+    return asyncio.run(serve(config, sampler, security))
 
 
 def build_collectors(config: Any) -> list[Any]:
@@ -190,32 +199,38 @@ def build_collectors(config: Any) -> list[Any]:
     return [spec.factory(config) for spec in enabled_specs(config.collectors)]
 
 
-async def serve(config: Any, sampler: Any) -> int:
+async def serve(config: Any, sampler: Any, security: Any) -> int:
     from aiohttp import web
 
     from gpubalance.exporter.server import ExporterServer
 
     log = logging.getLogger("gpubalance.exporter")
-    runner = web.AppRunner(ExporterServer(sampler, config).app(), access_log=None)
+    app = ExporterServer(sampler, config).app()
+    security.install(app)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = config.listen_address
     try:
-        await web.TCPSite(runner, host, port).start()
+        await security.listen(runner.server, host, port)
     except OSError as exc:
         await runner.cleanup()
         sampler.stop()
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         print(f"gpubalance exporter: cannot listen on {config.listen}: {reason}", file=sys.stderr)
         return 2
-    for address in runner.addresses:
-        log.info("listening on http://%s:%d", *address[:2])
+    log.info("web config %s: %s", security.config.source, security.config.describe())
+    for url in security.urls():
+        log.info("listening on %s", url)
     sampler.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if security.path:
+        loop.add_signal_handler(signal.SIGHUP, security.reload_soon)
     await stop.wait()
     log.info("stopping")
+    security.close()
     await runner.cleanup()
     sampler.stop()
     return 0
