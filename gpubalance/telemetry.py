@@ -276,9 +276,11 @@ class GpuWindow:
     utilization_ratio: float | None
     utilization_source: str | None  # "samples" | "rates"
     utilization_sample_count: int
-    # Least-squares slope of memory used over the trend window; time to full at that slope.
+    # Theil-Sen slope of memory used over the trend window (None until the window holds enough
+    # readings); time to full at that slope, None unless the growth is significant (a step, such
+    # as a model load, is not).
     memory_used_slope_bytes_per_second: float | None
-    memory_time_to_full_seconds: float | None  # None when memory is not growing
+    memory_time_to_full_seconds: float | None
     # Fraction of samples in which a slowdown reason (power, thermal, ...) was active.
     throttled_ratio: float | None
 

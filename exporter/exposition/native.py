@@ -61,14 +61,14 @@ def _add_gpu(out: Exposition, gpu: GpuSample, win: GpuWindow | None, driver: str
         out.add(
             "gpubalance_gpu_memory_used_slope_bytes_per_second",
             G,
-            "Trend of GPU memory used: least-squares slope over the trend window.",
+            "Trend of GPU memory used: Theil-Sen slope over the trend window; absent until known.",
             win.memory_used_slope_bytes_per_second,
             ids,
         )
         out.add(
             "gpubalance_gpu_memory_time_to_full_seconds",
             G,
-            "Seconds until GPU memory is full at the current trend; absent when not growing.",
+            "Seconds until GPU memory is full at the current trend; absent unless it truly grows.",
             win.memory_time_to_full_seconds,
             ids,
         )

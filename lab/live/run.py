@@ -331,6 +331,9 @@ class LiveLab:
             running=data["running"],
             in_flight=data["in_flight"],
             kv_used_bytes=data["kv_used_bytes"],
+            # what the worker's allocator holds is what its GPU shows as used (a new process
+            # after a crash reserves afresh: nothing carries over)
+            kv_reserved_bytes=data["kv_reserved_bytes"],
             cpu_seconds=data["cpu_seconds"],
             read_bytes=data["read_bytes"],
             batches=int(total("batches", "batches")),
