@@ -7,6 +7,11 @@ the first call of a capability is its probe. NOT_SUPPORTED and a missing symbol
 unsupported query is never retried every second; a lost GPU is flagged and skipped while the
 others keep answering.
 
+Threads: the GPU collector reads each GPU from a worker thread of its own (NVML is thread-safe,
+and pynvml releases the GIL inside each ctypes call), so a device's per-read bookkeeping is
+touched by its worker only; what every thread touches (the error counts, the log-once set) is
+behind one lock. Init, shutdown, enumeration and events stay on the sampler thread.
+
 Nothing here is specific to gpubalance's fake driver: only the NVML ABI, through pynvml.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +101,9 @@ class Device:
     lost: bool = False
     lost_at: float | None = None
     capabilities: dict[str, Support] = field(default_factory=dict)
+    # the pynvml function in flight on this GPU (or the last one started): what a stuck read
+    # is stuck in
+    current_call: str | None = None
     # collector bookkeeping that must survive between samples
     last_utilization_sample_us: int = 0
     last_process_sample_us: int = 0
@@ -103,7 +112,9 @@ class Device:
     static: dict[str, Any] = field(default_factory=dict)
 
     def supported(self) -> dict[str, bool]:
-        return {cap: state is Support.SUPPORTED for cap, state in self.capabilities.items()}
+        # dict() copies in one step: the GPU's worker may be adding a probe result meanwhile
+        capabilities = dict(self.capabilities)
+        return {cap: state is Support.SUPPORTED for cap, state in capabilities.items()}
 
 
 class NvmlSession:
@@ -120,6 +131,7 @@ class NvmlSession:
         self.retry_max_seconds = retry_max_seconds
         self.lost_recheck_seconds = lost_recheck_seconds
         self._clock = clock
+        self._lock = threading.Lock()  # errors_total and _logged_missing, shared by workers
         self._library: ctypes.CDLL | None = None
         self._up = False
         self._next_attempt = 0.0
@@ -137,13 +149,19 @@ class NvmlSession:
     def snapshot_status(self) -> NvmlStatus:
         """The status with the error counts as of now, for one sample."""
         errors: dict[str, dict[str, int]] = {}
-        for (call, error), count in self.errors_total.items():
+        with self._lock:
+            counts = list(self.errors_total.items())
+        for (call, error), count in counts:
             errors.setdefault(call, {})[error] = count
         return replace(
             self.status,
             errors_total=errors,
             init_failures_total=self.init_failures_total,
         )
+
+    def count_error(self, call: str, error: str) -> None:
+        with self._lock:  # Counter's += is a read and a write: two workers could lose one
+            self.errors_total[(call, error)] += 1
 
     @property
     def up(self) -> bool:
@@ -212,7 +230,7 @@ class NvmlSession:
         try:
             value = fn()
         except pynvml.NVMLError as exc:
-            self.errors_total[(fn.__name__, error_name(exc))] += 1
+            self.count_error(fn.__name__, error_name(exc))
             return None
         return _text(value) if isinstance(value, bytes) else value  # type: ignore[return-value]
 
@@ -220,7 +238,7 @@ class NvmlSession:
         try:
             self.event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
-            self.errors_total[("nvmlEventSetCreate", error_name(exc))] += 1
+            self.count_error("nvmlEventSetCreate", error_name(exc))
             self.event_set = None
 
     def shutdown(self) -> None:
@@ -250,7 +268,7 @@ class NvmlSession:
             return pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
             self._raise_if_session_error(exc)
-            self.errors_total[("nvmlDeviceGetCount", error_name(exc))] += 1
+            self.count_error("nvmlDeviceGetCount", error_name(exc))
             return None
 
     def refresh_devices(self, count: int | None = None) -> None:
@@ -287,7 +305,7 @@ class NvmlSession:
             uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as exc:
             self._raise_if_session_error(exc)
-            self.errors_total[("nvmlDeviceGetHandleByIndex", error_name(exc))] += 1
+            self.count_error("nvmlDeviceGetHandleByIndex", error_name(exc))
             if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
                 return None
             device = at_index or Device(index=index, uuid=f"GPU-unknown-{index}", handle=None)
@@ -360,6 +378,7 @@ class NvmlSession:
         state = device.capabilities.get(capability)
         if state is Support.UNSUPPORTED or state is Support.MISSING:
             return None
+        device.current_call = fn.__name__
         try:
             value = fn(*args, **kwargs)
         except pynvml.NVMLLibraryMismatchError:
@@ -384,7 +403,7 @@ class NvmlSession:
         if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
             self._missing(device, capability, call)
             return None
-        self.errors_total[(call, error_name(exc))] += 1
+        self.count_error(call, error_name(exc))
         if code == pynvml.NVML_ERROR_GPU_IS_LOST:
             if not device.lost:
                 log.warning("GPU %d (%s) is lost", device.index, device.uuid)
@@ -395,8 +414,10 @@ class NvmlSession:
 
     def _missing(self, device: Device, capability: str, call: str) -> None:
         device.capabilities[capability] = Support.MISSING
-        if call not in self._logged_missing:
+        with self._lock:
+            first = call not in self._logged_missing
             self._logged_missing.add(call)
+        if first:
             log.warning(
                 "%s is missing from this NVML library (driver %s, nvidia-ml-py %s): "
                 "%s degrades to unsupported",

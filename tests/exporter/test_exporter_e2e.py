@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+from itertools import pairwise
 from pathlib import Path
 
 import jsonschema
@@ -399,3 +401,59 @@ def test_snapshot_follows_the_documented_schema(start_exporter) -> None:
     gpu = snapshot["sample"]["gpus"][1]
     assert gpu["temperature_celsius"] == 45
     assert snapshot["window"]["gpus"][1]["utilization_ratio"] == approx(0.21)
+
+
+def _threads(exporter) -> int:
+    return len(os.listdir(f"/proc/{exporter.process.pid}/task"))
+
+
+def test_slow_gpu_is_stale_and_the_others_keep_their_cadence(start_exporter) -> None:
+    state = full_state(gpus=4)
+    exporter = start_exporter(state, "--interval", "1", "--window", "3", "--trend-window", "10")
+    uuid = state["gpu2.uuid"]
+    # A card falling off the bus: every NVML call on it takes 1.5 s, a whole read ~40 s.
+    state["gpu2.delay_us"] = 1_500_000
+    exporter.write(state)
+    metrics = exporter.wait_for(lambda m: m.value("gpubalance_gpu_sample_stale", gpu="2") == 1)
+    [(labels, value)] = metrics.find("gpubalance_gpu_sample_stale", gpu="2")
+    assert value == 1 and labels["call"].startswith("nvmlDevice"), labels
+    assert not metrics.has("gpubalance_gpu_temperature_celsius", gpu="2")
+    assert metrics.value("gpubalance_gpu_lost", gpu="2") == 0
+    threads = _threads(exporter)
+    first = metrics.value("gpubalance_exporter_samples_total")
+
+    # The others keep their 1 s cadence and their changes arrive while GPU 2 is stuck.
+    state["gpu0.temp.gpu"] = 88
+    exporter.write(state)
+    metrics = exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_temperature_celsius", gpu="0") == 88
+            and m.value("gpubalance_exporter_samples_total") >= first + 4
+        ),
+        timeout=8,
+    )
+    snapshot = json.loads(exporter.get("/api/v1/snapshot?history=3")[1])
+    samples = [*snapshot["history"], snapshot["sample"]]
+    stamps = [s["timestamp_seconds"] for s in samples]
+    assert all(0.5 < b - a < 1.5 for a, b in pairwise(stamps)), stamps
+    for s in samples:
+        gpus = s["gpus"]
+        assert gpus[2]["stale"] and gpus[2]["temperature_celsius"] is None
+        assert gpus[2]["stale_call"].startswith("nvmlDevice")
+        assert all(not g["stale"] and g["temperature_celsius"] for g in gpus if g["index"] != 2)
+    assert metrics.value("gpubalance_exporter_sample_overruns_total") == 0
+    assert metrics.value("gpubalance_gpu_sample_stale", gpu="0") == 0
+    assert _threads(exporter) == threads, "a stuck GPU must not cost a thread per sample"
+    log = exporter.log()
+    assert f"GPU 2 ({uuid}): no NVML reading within the 0.50 s deadline, stuck in nvmlDevice" in log
+
+    # The card answers in time again: its readings come back and the log says so.
+    del state["gpu2.delay_us"]
+    exporter.write(state)
+    metrics = exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_sample_stale", gpu="2") == 0
+            and m.has("gpubalance_gpu_temperature_celsius", gpu="2")
+        )
+    )
+    assert f"GPU 2 ({uuid}) recovered: NVML answered within the deadline" in exporter.log()
