@@ -117,6 +117,11 @@ class Device:
         return {cap: state is Support.SUPPORTED for cap, state in capabilities.items()}
 
 
+def _placeholder_uuid(index: int) -> str:
+    """The UUID a GPU goes by when it was lost before NVML told its real one."""
+    return f"GPU-unknown-{index}"
+
+
 class NvmlSession:
     """NVML init/shutdown with backoff, devices by UUID, and the probe-once call wrapper."""
 
@@ -219,9 +224,8 @@ class NvmlSession:
             nvml_version=self._optional(pynvml.nvmlSystemGetNVMLVersion),
             cuda_driver_version=self._optional(pynvml.nvmlSystemGetCudaDriverVersion),
         )
-        # A re-init forgets every probe (the driver behind it may be another one); GPUs known
-        # to be lost stay listed until they answer again.
-        self.devices = [d for d in self.devices if d.lost]
+        # A re-init forgets every probe (the driver behind it may be another one): shutdown
+        # marked every known GPU lost, and each comes back, probed afresh, as it answers.
         self._create_event_set()
         self.refresh_devices()
         log.info("NVML up: driver %s, %d GPU(s)", self.status.driver_version, len(self.devices))
@@ -245,6 +249,12 @@ class NvmlSession:
         if not self._up:
             return
         self._up = False
+        # Without NVML nothing is known about any GPU: each stays listed, as lost, until it
+        # answers again; a worker still inside a read finds its GPU lost and skips the rest.
+        now = self._clock()
+        for device in self.devices:
+            if not device.lost:
+                device.lost, device.lost_at = True, now
         try:
             if self.event_set is not None:
                 pynvml.nvmlEventSetFree(self.event_set)
@@ -285,7 +295,10 @@ class NvmlSession:
             device = self._open(index, by_uuid.get, by_index.get(index), now)
             if device is not None:
                 current[device.uuid] = device
+        answering = {d.index for d in current.values() if not d.lost}
         for device in self.devices:
+            if device.uuid == _placeholder_uuid(device.index) and device.index in answering:
+                continue  # the GPU lost before NVML told its UUID: it answers under it now
             if device.uuid not in current:
                 if not device.lost:
                     log.warning("GPU %d (%s) is gone from NVML", device.index, device.uuid)
@@ -308,7 +321,7 @@ class NvmlSession:
             self.count_error("nvmlDeviceGetHandleByIndex", error_name(exc))
             if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
                 return None
-            device = at_index or Device(index=index, uuid=f"GPU-unknown-{index}", handle=None)
+            device = at_index or Device(index=index, uuid=_placeholder_uuid(index), handle=None)
             if not device.lost:
                 log.warning("GPU %d (%s) is lost", index, device.uuid)
                 device.lost, device.lost_at = True, now
@@ -316,6 +329,11 @@ class NvmlSession:
         device = known(uuid)
         if device is None or device.lost:
             # New, or back from the dead: probe everything again.
+            was_lost = device is not None or (
+                at_index is not None and at_index.lost and at_index.uuid == _placeholder_uuid(index)
+            )
+            if was_lost:
+                log.info("GPU %d (%s) recovered: NVML answers for it again", index, uuid)
             device = Device(index=index, uuid=uuid, handle=handle)
             device.name = self._static(device, "name", pynvml.nvmlDeviceGetName, handle)
             pci = self._static(device, "pci_info", pynvml.nvmlDeviceGetPciInfo, handle)

@@ -131,7 +131,7 @@ class GpuCollector:
     def update(self, parts: SampleParts) -> None:
         session = self.session
         if not session.ensure():
-            parts.nvml = session.snapshot_status()
+            self._unreachable(parts)
             raise RuntimeError(f"NVML unavailable: {session.status.error}")
         try:
             session.check_topology()
@@ -139,7 +139,7 @@ class GpuCollector:
             parts.gpus = self._read_all(session.devices)
         except NvmlGone as exc:
             session.lose_session(exc)
-            parts.nvml = session.snapshot_status()
+            self._unreachable(parts)
             raise RuntimeError(f"NVML stopped answering: {exc}") from None
         parts.nvml = session.snapshot_status()
 
@@ -148,6 +148,14 @@ class GpuCollector:
             worker.close()
         self._workers.clear()
         self.session.shutdown()
+
+    def _unreachable(self, parts: SampleParts) -> None:
+        # NVML is down: the GPUs known before are still there as far as anyone knows, and
+        # their series say lost and stale rather than vanish.
+        parts.nvml = self.session.snapshot_status()
+        parts.gpus = tuple(
+            _stale_sample(device, "nvmlInit", lost=True) for device in self.session.devices
+        )
 
     # -- every GPU against one deadline ---------------------------------------------------
 
@@ -510,13 +518,14 @@ class GpuCollector:
                 log.warning("GPU %d (%s): XID %d", device.index, device.uuid, xid)
 
 
-def _stale_sample(device: Device, call: str | None) -> GpuSample:
+def _stale_sample(device: Device, call: str | None, lost: bool = False) -> GpuSample:
     """A GPU without a fresh reading: its identity and flags, no measurement."""
     return GpuSample(
         index=device.index,
         uuid=device.uuid,
         name=device.name,
         pci_bus_id=device.pci_bus_id,
+        lost=lost,
         stale=True,
         stale_call=call,
         supported=device.supported(),
@@ -528,5 +537,6 @@ def create(config: ExporterConfig) -> GpuCollector:
     session = NvmlSession(
         library_path=config.nvml_library,
         retry_max_seconds=config.nvml_retry_max,
+        lost_recheck_seconds=config.nvml_lost_recheck,
     )
     return GpuCollector(session, deadline_seconds=min(config.nvml_deadline, config.interval))

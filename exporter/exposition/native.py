@@ -44,7 +44,7 @@ def _add_gpu(out: Exposition, gpu: GpuSample, win: GpuWindow | None, driver: str
         "gpubalance_gpu_sample_stale",
         G,
         "1 when the GPU gave no reading within the sample deadline (call: the NVML function "
-        "it is stuck in); its readings are then absent.",
+        "it is stuck in) or NVML is down (call: nvmlInit); its readings are then absent.",
         gpu.stale,
         {**ids, "call": gpu.stale_call or ""} if gpu.stale else ids,
     )

@@ -260,9 +260,11 @@ def test_nvml_init_failure_keeps_host_metrics_and_recovers(start_exporter, tmp_p
     last_success = "gpubalance_exporter_collector_last_success_timestamp_seconds"
     assert not metrics.has(last_success, collector="gpu")  # never succeeded yet
     assert metrics.value(last_success, collector="host") > 0
-    health = json.loads(exporter.get("/healthz")[1])
-    assert health["status"] == "ok" and health["nvml_up"] is False
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded" and health["nvml_up"] is False
     assert "DRIVER_NOT_LOADED" in health["nvml_error"]
+    assert health["problems"] == [f"NVML down: {health['nvml_error']}"]
     del state["err.nvmlInitWithFlags"]
     exporter.write(state)
     metrics = exporter.wait_for(lambda m: m.value("gpubalance_nvml_up") == 1)
@@ -444,6 +446,9 @@ def test_slow_gpu_is_stale_and_the_others_keep_their_cadence(start_exporter) -> 
     assert metrics.value("gpubalance_exporter_sample_overruns_total") == 0
     assert metrics.value("gpubalance_gpu_sample_stale", gpu="0") == 0
     assert _threads(exporter) == threads, "a stuck GPU must not cost a thread per sample"
+    health = json.loads(exporter.get("/healthz")[1])
+    assert health["status"] == "degraded" and health["gpus_stale"] == [2]
+    assert f"GPU 2 ({uuid}) stale: stuck in nvmlDevice" in health["problems"][0]
     log = exporter.log()
     assert f"GPU 2 ({uuid}): no NVML reading within the 0.50 s deadline, stuck in nvmlDevice" in log
 
@@ -457,3 +462,60 @@ def test_slow_gpu_is_stale_and_the_others_keep_their_cadence(start_exporter) -> 
         )
     )
     assert f"GPU 2 ({uuid}) recovered: NVML answered within the deadline" in exporter.log()
+    assert json.loads(exporter.get("/healthz")[1])["status"] == "ok"
+
+
+def test_nvml_down_keeps_the_known_gpus_as_lost_and_stale(start_exporter, tmp_path) -> None:
+    config = tmp_path / "gpubalance.yaml"
+    config.write_text("exporter:\n  nvml_retry_max: 0.5\n")
+    state = full_state(gpus=2)
+    exporter = start_exporter(state, "--config", str(config))
+    state["err.nvmlDeviceGetCount_v2"] = "UNINITIALIZED"
+    exporter.write(state)
+    metrics = exporter.wait_for(lambda m: m.value("gpubalance_nvml_up") == 0)
+    for gpu in ("0", "1"):
+        assert metrics.value("gpubalance_gpu_lost", gpu=gpu) == 1
+        assert metrics.value("gpubalance_gpu_sample_stale", gpu=gpu, call="nvmlInit") == 1
+        assert metrics.has("gpubalance_gpu_info", gpu=gpu, uuid=state[f"gpu{gpu}.uuid"])
+        assert not metrics.has("gpubalance_gpu_temperature_celsius", gpu=gpu)
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded"
+    assert health["problems"][0].startswith("NVML down: ")
+    assert health["gpus_lost"] == [0, 1]
+    del state["err.nvmlDeviceGetCount_v2"]
+    exporter.write(state)
+    exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_lost", gpu="1") == 0
+            and m.value("gpubalance_gpu_sample_stale", gpu="1") == 0
+            and m.has("gpubalance_gpu_temperature_celsius", gpu="1")
+        )
+    )
+    assert f"GPU 1 ({state['gpu1.uuid']}) recovered" in exporter.log()
+
+
+def test_lost_gpu_recheck_is_configured_and_recovery_logged(start_exporter, tmp_path) -> None:
+    config = tmp_path / "gpubalance.yaml"
+    config.write_text("exporter:\n  nvml_lost_recheck: 0.5\n")
+    state = full_state(gpus=3)
+    exporter = start_exporter(state, "--config", str(config))
+    uuid = state["gpu1.uuid"]
+    state["gpu1.lost"] = 1
+    exporter.write(state)
+    exporter.wait_for(lambda m: m.value("gpubalance_gpu_lost", gpu="1") == 1)
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded"
+    assert health["problems"] == [f"GPU 1 ({uuid}) lost"] and health["gpus_lost"] == [1]
+    del state["gpu1.lost"]
+    exporter.write(state)
+    exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_lost", gpu="1") == 0
+            and m.value("gpubalance_gpu_temperature_celsius", gpu="1") == 45
+        )
+    )
+    assert f"GPU 1 ({uuid}) recovered: NVML answers for it again" in exporter.log()
+    health = json.loads(exporter.get("/healthz")[1])
+    assert health["status"] == "ok" and health["problems"] == []

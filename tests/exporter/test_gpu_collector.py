@@ -151,6 +151,20 @@ def test_stuck_gpu_is_stale_and_gets_no_second_worker(nvml) -> None:
         collector.close()
 
 
+def test_gpu_lost_before_its_uuid_was_known_recovers_under_its_uuid(nvml) -> None:
+    collector = GpuCollector(NvmlSession(lost_recheck_seconds=0.0))
+    try:
+        nvml.write({"device_count": 3, "gpu1.lost": 1})
+        gpus = sample(collector).gpus
+        assert [(g.uuid, g.lost) for g in gpus][1] == ("GPU-unknown-1", True)
+        nvml.write({"device_count": 3})
+        gpus = sample(collector).gpus
+        assert len(gpus) == 3  # no lost placeholder left behind
+        assert not gpus[1].lost and gpus[1].uuid.startswith("GPU-") and gpus[1].power_watts
+    finally:
+        collector.close()
+
+
 def test_exporter_uses_nothing_but_nvml_symbols(fakenvml_env, tmp_path: Path) -> None:
     """A proxy in front of pynvml's library records every symbol the exporter resolves: only
     NVML entry points, none of the fake's hooks, so any conforming libnvidia-ml.so.1 serves."""
