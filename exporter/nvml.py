@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -120,6 +121,22 @@ class Device:
 def _placeholder_uuid(index: int) -> str:
     """The UUID a GPU goes by when it was lost before NVML told its real one."""
     return f"GPU-unknown-{index}"
+
+
+def library_problem(path: str) -> str | None:
+    """Why ``path`` cannot be libnvidia-ml.so.1, or None. Checked once at start: retrying
+    cannot make a missing file appear or another library grow NVML's entry points."""
+    if "/" in path and not os.path.exists(path):
+        return f"{path} does not exist"
+    if os.path.isdir(path):
+        return f"{path} is a directory, not a library"
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        return f"cannot load {path}: {exc}"
+    if not hasattr(library, "nvmlInit_v2"):
+        return f"{path} is not an NVML library (no nvmlInit_v2)"
+    return None
 
 
 class NvmlSession:

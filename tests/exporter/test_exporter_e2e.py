@@ -12,9 +12,10 @@ from itertools import pairwise
 from pathlib import Path
 
 import jsonschema
+from harness import Metrics
 from pytest import approx
 
-from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library
+from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
 
 MIB = 1024 * 1024
 ROOT = Path(__file__).resolve().parents[2]
@@ -519,3 +520,57 @@ def test_lost_gpu_recheck_is_configured_and_recovery_logged(start_exporter, tmp_
     assert f"GPU 1 ({uuid}) recovered: NVML answers for it again" in exporter.log()
     health = json.loads(exporter.get("/healthz")[1])
     assert health["status"] == "ok" and health["problems"] == []
+
+
+def _exporter_once(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubalance", "exporter", "--once", "--log-level", "error", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _libc_path() -> str:
+    """The C library this Python runs on, by absolute path: a real library, but not NVML."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libc.so"):
+                return path
+    raise AssertionError("no libc.so in /proc/self/maps")
+
+
+def test_bad_paths_are_refused_at_start(fakenvml_env, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    write_state(state, full_state(gpus=1))
+    env = fakenvml_env(state)
+    missing = str(tmp_path / "nonexistent")
+    libc = _libc_path()
+    for flags, message in (
+        (("--procfs", missing), f"--procfs {missing} does not exist"),
+        (("--procfs", str(state)), f"--procfs {state} is not a directory"),
+        (("--nvml-library", missing), f"--nvml-library: {missing} does not exist"),
+        (("--nvml-library", libc), f"--nvml-library: {libc} is not an NVML library"),
+    ):
+        result = _exporter_once(env, *flags)
+        assert result.returncode == 2, (flags, result.stderr)
+        assert result.stderr.startswith(f"gpubalance exporter: {message}"), result.stderr
+        assert result.stdout == ""
+    # The procfs check belongs to the collectors that read it.
+    result = _exporter_once(
+        env, "--procfs", missing, "--no-collector.host", "--no-collector.processes"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_once_fails_when_nvml_does_not_come_up(fakenvml_env, tmp_path: Path) -> None:
+    result = _exporter_once(fakenvml_env(tmp_path / "none"))  # no driver
+    assert result.returncode == 1
+    assert "NVML did not come up: DRIVER_NOT_LOADED" in result.stderr
+    metrics = Metrics.parse(result.stdout)  # the host part is still printed
+    assert metrics.value("gpubalance_nvml_up") == 0
+    assert metrics.has("gpubalance_host_cpu_seconds_total")
+    result = _exporter_once(fakenvml_env(tmp_path / "none"), "--no-collector.gpu")
+    assert result.returncode == 0, result.stderr
