@@ -86,7 +86,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     parser.add_argument(
-        "--once", action="store_true", help="take one sample, print the /metrics text and exit"
+        "--once",
+        action="store_true",
+        help="take one sample, print the /metrics text and exit (1 when NVML did not come up)",
     )
     parser.add_argument(
         "--print-schema",
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
         config = load_config(args)
+        check_paths(config)
         collectors = build_collectors(config)
         security = WebSecurity(args.web_config_file)
     except (ConfigError, ValueError) as exc:
@@ -189,8 +192,32 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.buffer.write(render(view, config.names))
         finally:
             sampler.stop()
+        nvml = view.sample.nvml
+        if not nvml.up and any(c.name == "gpu" for c in collectors):
+            # the metrics are printed all the same: the host part of them is still good
+            print(f"gpubalance exporter: NVML did not come up: {nvml.error}", file=sys.stderr)
+            return 1
         return 0
     return asyncio.run(serve(config, sampler, security))
+
+
+def check_paths(config: ExporterConfig) -> None:
+    """Paths that cannot work: refused at start (exit 2), not retried or skipped for ever."""
+    from gpubalance.exporter.collectors import enabled_specs
+    from gpubalance.exporter.nvml import library_problem
+
+    enabled = {spec.name for spec in enabled_specs(config.collectors)}
+    # Only the root must exist at start: its files may follow (a procfs tree being written).
+    if enabled & {"host", "processes"} and not os.path.isdir(config.procfs):
+        what = "is not a directory" if os.path.exists(config.procfs) else "does not exist"
+        raise ValueError(
+            f"--procfs {config.procfs} {what}: point it at a mounted procfs, e.g. the "
+            "host's /proc mounted at /host/proc (exporter.procfs in --config)"
+        )
+    if "gpu" in enabled and config.nvml_library:
+        problem = library_problem(config.nvml_library)
+        if problem is not None:
+            raise ValueError(f"--nvml-library: {problem}")
 
 
 def build_collectors(config: Any) -> list[Any]:

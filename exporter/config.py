@@ -83,6 +83,10 @@ class ExporterConfig(BaseModel):
     nvml_library: str | None = None
     hostname: str | None = None
     nvml_retry_max: float = Field(30.0, gt=0, description="longest wait between NVML re-inits")
+    nvml_deadline: float = Field(
+        0.5, gt=0, description="seconds a GPU's reads may take per sample (at most the interval)"
+    )
+    nvml_lost_recheck: float = Field(30.0, gt=0, description="seconds between lost-GPU re-checks")
     collectors: dict[str, bool] = Field(default_factory=dict)
     serving: ServingConfig = ServingConfig()
 

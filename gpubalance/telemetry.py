@@ -30,6 +30,12 @@ class GpuSample:
     name: str | None = None
     pci_bus_id: str | None = None
     lost: bool = False
+    # No fresh reading: the GPU's NVML reads missed the per-sample deadline (``nvml_deadline``)
+    # or NVML itself is down. Every measurement below is then None, not the last good value,
+    # so nothing that skips this flag can take a stuck GPU for a live one; an idle GPU reads
+    # 0, a stale one None. ``stale_call`` is the pynvml function the reading is waiting in.
+    stale: bool = False
+    stale_call: str | None = None
     # Instant reading of nvmlDeviceGetUtilizationRates.
     utilization_ratio: float | None = None
     # NVML utilization samples (timestamp in seconds, ratio) newer than the previous sample;

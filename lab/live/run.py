@@ -258,6 +258,7 @@ class LiveLab:
     def _start_exporter(self, library_dir: Path) -> Exporter:
         port = self.exporter_port
         log_path = self.run_dir / "exporter.log"
+        self.procfs.mkdir(exist_ok=True)  # --procfs must exist at start; its files follow
         env = {
             **os.environ,
             "LD_LIBRARY_PATH": str(library_dir),
