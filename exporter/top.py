@@ -113,10 +113,14 @@ def render(snapshot: Snapshot) -> Group:
     ):
         table.add_column(column, no_wrap=True)
     for gpu in sample.gpus:
-        if gpu.lost:
-            table.add_row(
-                str(gpu.index), gpu.name or "?", Text("LOST", style="bold red"), *([""] * 9)
+        if gpu.lost or gpu.stale:
+            # a stale GPU's reads are hung in the driver: no values, and the call it waits in
+            state = (
+                Text("LOST", style="bold red")
+                if gpu.lost
+                else Text(f"STALE in {gpu.stale_call or 'NVML'}", style="bold yellow")
             )
+            table.add_row(str(gpu.index), gpu.name or "?", state, *([""] * 9))
             continue
         win = gpu_windows.get(gpu.uuid)
         memory = "n/a"

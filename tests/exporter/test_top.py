@@ -137,3 +137,25 @@ def test_time_to_full_in_the_unit_that_fits(seconds: float, shown: str) -> None:
     console = Console(record=True, width=250)
     console.print(render(snapshot_with_time_to_full(seconds)))
     assert shown in console.export_text()
+
+
+def test_a_stale_gpu_shows_the_call_it_is_stuck_in() -> None:
+    fresh = GpuSample(index=0, uuid="GPU-a", name="NVIDIA GeForce RTX 4090")
+    stuck = GpuSample(
+        index=1,
+        uuid="GPU-b",
+        name="NVIDIA GeForce RTX 4090",
+        stale=True,
+        stale_call="nvmlDeviceGetPowerUsage",
+    )
+    sample = Sample(
+        timestamp_seconds=1000.0,
+        duration_seconds=0.01,
+        hostname="h",
+        nvml=NvmlStatus(up=True),
+        gpus=(fresh, stuck),
+    )
+    console = Console(record=True, width=250)
+    console.print(render(Snapshot(SCHEMA, 1.0, 30.0, 300.0, sample, Window(970.0, 1000.0))))
+    lines = [line for line in console.export_text().splitlines() if "│ 1 " in line]
+    assert len(lines) == 1 and "STALE in nvmlDeviceGetPowerUsage" in lines[0]
