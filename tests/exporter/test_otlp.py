@@ -1,5 +1,6 @@
 """The OTLP receiver, mounted on a tiny aiohttp app of its own: encodings, temporalities, the
-merge into one reading per series, refusals, limits, a real OpenTelemetry SDK, and a fuzz."""
+merge into one reading per series, refusals, limits, OTLP/JSON, a real OpenTelemetry SDK, and a
+fuzz."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from types import ModuleType
 
 import pytest
 from aiohttp import web
+from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -37,6 +39,9 @@ from opentelemetry.sdk.resources import Resource
 
 from gpubalance.exporter.collectors.serving.store import ServingStore, StoredReading
 from gpubalance.exporter.otlp import JSON, PROTOBUF, OtlpLimits, OtlpReceiver
+from gpubalance.exporter.otlp.decode import decode
+from gpubalance.exporter.otlp.limits import Tally
+from gpubalance.exporter.otlp.series import SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPTH = "gpubalance.queue.depth"
@@ -166,7 +171,10 @@ class Served:
         self.url = url
 
     def post(
-        self, body: bytes, content_type: str = PROTOBUF, encoding: str | None = None
+        self,
+        body: bytes,
+        content_type: str = PROTOBUF,
+        encoding: str | None = None,
     ) -> tuple[int, bytes, str]:
         headers = {"Content-Type": content_type}
         if encoding:
@@ -178,7 +186,13 @@ class Served:
         except urllib.error.HTTPError as error:
             return error.code, error.read(), error.headers["Content-Type"]
 
-    def push(self, message: ExportMetricsServiceRequest) -> ExportMetricsServiceResponse:
+    def push(
+        self, message: ExportMetricsServiceRequest, content_type: str = PROTOBUF
+    ) -> ExportMetricsServiceResponse:
+        if content_type == JSON:
+            status, body, _ = self.post(as_json(message), JSON)
+            assert status == 200, body
+            return json_format.Parse(body, ExportMetricsServiceResponse())
         status, body, _ = self.post(message.SerializeToString())
         assert status == 200, body
         return ExportMetricsServiceResponse.FromString(body)
@@ -351,7 +365,31 @@ REFUSALS = [
     (b"", PROTOBUF, "deflate", 415, "unsupported_encoding", "Content-Encoding must be"),
     (b"\xff\xff\xff", PROTOBUF, None, 400, "malformed", "not an ExportMetricsServiceRequest"),
     (b"[1, 2]", JSON, None, 400, "malformed", "must be a JSON object"),
-    (b'{"resourceMetrics": {}}', JSON, None, 400, "malformed", "resourceMetrics must be a list"),
+    (b'{"resourceMetrics": {}}', JSON, None, 400, "malformed", "not an OTLP/JSON Export"),
+    # upb fails on a lone surrogate in a key with a SystemError
+    (b'{"resourceMetrics": [{"\\ud800": 1}]}', JSON, None, 400, "malformed", "lone surrogate"),
+    # json_format takes enum names (OTLP/JSON forbids them) and fails on Infinity
+    *(
+        (
+            b'{"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gpubalance.batch.size",'
+            b' "histogram": {"aggregationTemporality": %s}}]}]}]}' % temporality,
+            JSON,
+            None,
+            400,
+            "malformed",
+            "aggregationTemporality must be an integer",
+        )
+        for temporality in (b"Infinity", b"1.0", b'"AGGREGATION_TEMPORALITY_DELTA"')
+    ),
+    (
+        b'{"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gpubalance.batch.size",'
+        b' "histogram": {"dataPoints": [{"exemplars": [{"traceId": "AQID=="}]}]}}]}]}]}',
+        JSON,
+        None,
+        400,
+        "malformed",
+        "exemplar traceId must be hex",
+    ),
     (b"\xff{}", JSON, None, 400, "malformed", "not JSON"),
     (b"\0" * (4 * 1024 * 1024 + 1), PROTOBUF, None, 413, "too_large", "exceeds 4194304 bytes"),
     (
@@ -497,6 +535,7 @@ LIMITS = [
 ]
 
 
+@pytest.mark.parametrize("content_type", [PROTOBUF, JSON])
 @pytest.mark.parametrize(
     ("limits", "max_series", "metrics", "reason", "rejected", "kept"),
     LIMITS,
@@ -509,9 +548,10 @@ def test_each_limit_rejects_with_its_reason_and_keeps_the_rest(
     reason: str,
     rejected: int,
     kept: int,
+    content_type: str,
 ) -> None:
     with serve(OtlpReceiver(ServingStore(max_series), limits)) as served:
-        response = served.push(request(*metrics))
+        response = served.push(request(*metrics), content_type)
         assert response.partial_success.rejected_data_points == rejected
         assert served.receiver.stats().rejected_points == {reason: rejected}
         assert len(served.store) == kept
@@ -553,6 +593,70 @@ def test_body_and_metric_count_limits_refuse_the_request(content_type: str) -> N
             "decompressed_too_large": 1,
             "too_many_metrics": 1,
         }
+
+
+# -- OTLP/JSON: proto3's JSON mapping with the specification's deviations ---------------------
+
+
+def test_json_decodes_to_the_message_protobuf_carries() -> None:
+    """Hex trace and span ids (either case), enums as integers, 64-bit integers as numbers or
+    strings, lowerCamelCase keys (and the proto names the collector also takes)."""
+    expected = request(
+        histogram(DELAY, 0.5, 10, temporality=DELTA, time_unix_nano=2**62),
+        resource={"service.instance.id": "w0", "gpu.index": 3},
+    )
+    point = {
+        "timeUnixNano": 2**62,
+        "count": "10",
+        "sum": 0.5,
+        "exemplars": [
+            {
+                "asDouble": 0.1,
+                "traceId": bytes(range(16)).hex().upper(),
+                "span_id": "0001020304050607",
+            }
+        ],
+    }
+    body = json.dumps(
+        {
+            "resourceMetrics": [
+                {
+                    "resource": {
+                        "attributes": [
+                            {"key": "service.instance.id", "value": {"stringValue": "w0"}},
+                            {"key": "gpu.index", "value": {"intValue": 3}},
+                        ]
+                    },
+                    "scope_metrics": [
+                        {
+                            "metrics": [
+                                {
+                                    "name": DELAY,
+                                    "unit": "s",
+                                    "histogram": {
+                                        "aggregationTemporality": 1,
+                                        "dataPoints": [point],
+                                    },
+                                    "futureField": {"ignored": True},
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        }
+    ).encode()
+    tally = Tally.of(OtlpLimits())
+    assert decode(body, JSON, "", OtlpLimits(), tally, SPECS) == expected
+    assert (tally.over_budget, tally.ignored) == (0, {})
+
+
+def test_a_json_body_of_too_many_values_is_refused_and_protobuf_is_not() -> None:
+    with serve(OtlpReceiver(ServingStore(), OtlpLimits(max_json_values=50))) as served:
+        status, body, content_type = served.post(as_json(five()), JSON)
+        assert status == 413
+        assert "max_json_values" in message_of(body, content_type)
+        assert served.post(five().SerializeToString())[0] == 200
 
 
 # -- a real OpenTelemetry SDK --------------------------------------------------------------------
