@@ -1,20 +1,32 @@
-"""The OTLP/HTTP receiver: ``POST /v1/metrics`` into the serving store.
+"""The OTLP/HTTP receiver and its listener: ``POST /v1/metrics`` into the serving store.
 
-The request is hostile until proven otherwise: the body is read incrementally up to a limit,
-before and after gzip; decoding (the costly part, bounded by the body size) runs in a worker
-thread with a bounded number at a time, so a 4 MiB body never stalls /metrics.
+The receiver listens on a port of its own (``exporter.serving.otlp.listen``, by default
+127.0.0.1:4318, OTLP/HTTP's port), never on the scrape port: workers on the host push to
+localhost, and whoever can read /metrics cannot forge the queue figures a controller acts on.
+Beyond loopback the listener needs TLS and a bearer token, or an explicit
+``allow_unauthenticated: true``.
+
+The request is hostile until proven otherwise: the token is checked before the body is read;
+the body is read incrementally up to a limit, before and after gzip (which the receiver
+inflates itself, so an encoding it does not take gets 415, whatever aiohttp could inflate);
+decoding (the costly part, bounded by the body size) runs in a worker thread with a bounded
+number at a time, so a 4 MiB body never stalls /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import ssl
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -24,19 +36,24 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
+from gpubalance.config import ConfigError
 from gpubalance.exporter.collectors.serving.store import (
     SeriesLimitReached,
     ServingStore,
     StoredReading,
 )
+from gpubalance.exporter.config import OtlpSettings, parse_listen
 from gpubalance.exporter.otlp.decode import JSON, PROTOBUF
 from gpubalance.exporter.otlp.limits import DEFAULT_LIMITS, OtlpLimits, Refused, show
 from gpubalance.exporter.otlp.series import Batch, Group, Series, changes_of, read_batch
 
 log = logging.getLogger(__name__)
 
+PATH = "/v1/metrics"
 SOURCE = "otlp"
 ENDPOINT = "otlp"  # the store's endpoint (and status) key for every pushed series
+ENCODINGS = ("gzip", "identity")  # Content-Encoding taken; none at all means identity
+KEY = "exporter.serving.otlp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +77,23 @@ class OtlpReply:
 
 
 class OtlpReceiver:
-    """Serves OTLP/HTTP ``POST /v1/metrics`` (protobuf or JSON, optionally gzip) into a store."""
+    """Serves OTLP/HTTP ``POST /v1/metrics`` (protobuf or JSON, optionally gzip) into a store.
+
+    With a ``token``, a request must carry ``Authorization: Bearer <token>``; one without it
+    gets 401 and touches nothing in the store.
+    """
 
     def __init__(
         self,
         store: ServingStore,
         limits: OtlpLimits = DEFAULT_LIMITS,
         clock: Callable[[], float] = time.time,
+        token: str | None = None,
     ) -> None:
         self.store = store
         self.limits = limits
         self.clock = clock
+        self.token = token
         self._decoding = asyncio.Semaphore(limits.max_concurrent_decodes)
         self._counting = threading.Lock()  # stats() is read from the sampler's thread
         self._requests: Counter[str] = Counter()
@@ -93,18 +116,24 @@ class OtlpReceiver:
         """The aiohttp handler for ``POST /v1/metrics``."""
         started = time.perf_counter()
         content_type = request.content_type
+        unauthorized = self._unauthorized(request.headers.get("Authorization"))
+        if unauthorized is not None:
+            with self._counting:
+                self._requests["unauthorized"] += 1
+            reply = _encode(Status(message=unauthorized), 401, content_type, "unauthorized")
+            return web.Response(
+                status=reply.status,
+                body=reply.body,
+                content_type=reply.content_type,
+                headers={"WWW-Authenticate": 'Bearer realm="gpubalance OTLP"'},
+            )
         try:
             try:
                 encoding = self._check_headers(content_type, request.headers)
                 async with self._decoding:
-                    body, inflated = await self._read(request)
+                    body = await self._read(request)
                     batch = await asyncio.get_running_loop().run_in_executor(
-                        None,
-                        read_batch,
-                        body,
-                        content_type,
-                        "" if inflated else encoding,
-                        self.limits,
+                        None, read_batch, body, content_type, encoding, self.limits
                     )
             except Refused as refused:
                 reply = self._refuse(refused, content_type, started)
@@ -120,7 +149,7 @@ class OtlpReceiver:
         return web.Response(status=reply.status, body=reply.body, content_type=reply.content_type)
 
     def process(self, body: bytes, content_type: str, content_encoding: str = "") -> OtlpReply:
-        """handle() without HTTP, on a body already read: for the fuzzer and benches."""
+        """handle() without HTTP (nor a token), on a body already read: for the fuzzer."""
         started = time.perf_counter()
         try:
             encoding = self._check_headers(content_type, {"Content-Encoding": content_encoding})
@@ -133,6 +162,18 @@ class OtlpReceiver:
             return self._refuse(refused, content_type, started)
         return self._store(batch, content_type, started)
 
+    def _unauthorized(self, authorization: str | None) -> str | None:
+        """Why a request may not push, if so."""
+        if self.token is None:
+            return None
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return f"this receiver needs Authorization: Bearer <token> ({KEY}.token_file)"
+        # constant time: how much of a guess matches must not show in the answer's timing
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return "wrong bearer token"
+        return None
+
     @staticmethod
     def _check_headers(content_type: str, headers: Mapping[str, str]) -> str:
         if content_type not in (PROTOBUF, JSON):
@@ -142,37 +183,27 @@ class OtlpReceiver:
                 f"Content-Type must be {PROTOBUF} or {JSON}, not {show(content_type)}",
             )
         encoding = headers.get("Content-Encoding", "").strip().lower()
-        if encoding not in ("", "identity", "gzip"):
+        if encoding not in ("", *ENCODINGS):
             raise Refused(
                 415,
                 "unsupported_encoding",
-                f"Content-Encoding must be gzip or absent, not {show(encoding)}",
+                f"Content-Encoding must be {' or '.join(ENCODINGS)} (or absent),"
+                f" not {show(encoding)}",
             )
         return "gzip" if encoding == "gzip" else ""
 
-    async def _read(self, request: web.Request) -> tuple[bytes, bool]:
-        """The body, never more than the limit in memory; and whether aiohttp inflated it."""
+    async def _read(self, request: web.Request) -> bytes:
+        """The body as sent (still gzip, if so), never more than the limit in memory."""
         limit = self.limits.max_body_bytes
+        too_large = Refused(413, "too_large", f"the body exceeds {limit} bytes")
         if request.content_length is not None and request.content_length > limit:
-            raise Refused(413, "too_large", f"the body exceeds {limit} bytes")
-        stream = request.content
+            raise too_large
         body = bytearray()
-        try:
-            async for chunk in stream.iter_chunked(64 * 1024):
-                body += chunk
-                # set when the server inflates gzip itself (aiohttp's default), chunk by chunk
-                compressed = stream.total_compressed_bytes
-                if compressed is not None and compressed > limit:
-                    raise Refused(413, "too_large", f"the body exceeds {limit} bytes")
-                if len(body) > limit:
-                    if compressed is None:
-                        raise Refused(413, "too_large", f"the body exceeds {limit} bytes")
-                    raise Refused(
-                        413, "decompressed_too_large", f"the body inflates past {limit} bytes"
-                    )
-        except web.RequestPayloadError as exc:  # aiohttp could not inflate it
-            raise Refused(400, "bad_compression", f"the body could not be read: {exc}") from None
-        return bytes(body), stream.total_compressed_bytes is not None
+        async for chunk in request.content.iter_chunked(64 * 1024):
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
 
     def _refuse(self, refused: Refused, content_type: str, started: float) -> OtlpReply:
         with self._counting:
@@ -290,3 +321,96 @@ def _encode(message: Any, status: int, content_type: str, outcome: str) -> OtlpR
         body = json.dumps(json_format.MessageToDict(message), separators=(",", ":")).encode()
         return OtlpReply(status, body, JSON, outcome)
     return OtlpReply(status, message.SerializeToString(), PROTOBUF, outcome)
+
+
+# -- the listener ------------------------------------------------------------------------------
+
+
+def otlp_runner(receiver: OtlpReceiver) -> web.AppRunner:
+    """An aiohttp runner serving ``receiver`` at POST /v1/metrics, and nothing else."""
+    # bodies up to the receiver's own limit, which answers 413 itself
+    app = web.Application(client_max_size=receiver.limits.max_body_bytes + 1024)
+    app.router.add_post(PATH, receiver.handle)
+    # the receiver inflates gzip itself: aiohttp would answer br or zstd with 400 (or inflate
+    # them when their modules happen to be installed), never with OTLP's 415
+    return web.AppRunner(app, auto_decompress=False, access_log=None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+@dataclass(frozen=True)
+class OtlpListener:
+    """Where the receiver listens, with its token and TLS; checked at start."""
+
+    host: str
+    port: int
+    token: str | None
+    ssl_context: ssl.SSLContext | None
+    limits: OtlpLimits
+
+    @classmethod
+    def from_settings(cls, settings: OtlpSettings) -> OtlpListener | None:
+        """The listener, None when the receiver is off. Reads the token and certificate;
+        raises ConfigError naming the key at fault, and for a listener beyond loopback without
+        TLS and a token (unless allow_unauthenticated)."""
+        if not settings.enabled:
+            return None
+        host, port = parse_listen(settings.listen)
+        token = None
+        if settings.token_file is not None:
+            token = _read_token(settings.token_file)
+        context = None
+        if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            try:
+                context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"{KEY}.tls_cert_file, tls_key_file: cannot load"
+                    f" {settings.tls_cert_file} with {settings.tls_key_file}: {exc}"
+                ) from None
+        if (
+            not _is_loopback(host)
+            and not (token and context)
+            and not settings.allow_unauthenticated
+        ):
+            raise ConfigError(
+                f"{KEY}.listen (--otlp-listen): {settings.listen} is beyond loopback, where"
+                " anyone who reaches it could push queue figures; set token_file, tls_cert_file"
+                f" and tls_key_file under {KEY}, or allow_unauthenticated: true"
+            )
+        return cls(host, port, token, context, OtlpLimits(max_body_bytes=settings.max_body_bytes))
+
+    async def start(self, store: ServingStore) -> tuple[web.AppRunner, str]:
+        """Listen; returns the runner to clean up and the URL pushes go to. Raises OSError."""
+        runner = otlp_runner(OtlpReceiver(store, self.limits, token=self.token))
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context).start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        host, port = runner.addresses[0][:2]
+        scheme = "https" if self.ssl_context is not None else "http"
+        host = f"[{host}]" if ":" in host else host
+        return runner, f"{scheme}://{host}:{port}{PATH}"
+
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"{KEY}.token_file: cannot read {path}: {reason}") from None
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError(
+            f"{KEY}.token_file: {path} must hold one token of printable ASCII, without spaces"
+        )
+    return token

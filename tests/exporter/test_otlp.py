@@ -1,6 +1,6 @@
-"""The OTLP receiver, mounted on a tiny aiohttp app of its own: encodings, temporalities, the
-merge into one reading per series, refusals, limits, OTLP/JSON, a real OpenTelemetry SDK, and a
-fuzz."""
+"""The OTLP receiver on its own listener (the exporter's otlp_runner, in a thread): encodings,
+temporalities, the merge into one reading per series, refusals, limits, the token, a real
+OpenTelemetry SDK, and a fuzz."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 
 from gpubalance.exporter.collectors.serving.store import ServingStore, StoredReading
-from gpubalance.exporter.otlp import JSON, PROTOBUF, OtlpLimits, OtlpReceiver
+from gpubalance.exporter.otlp import JSON, PROTOBUF, OtlpLimits, OtlpReceiver, otlp_runner
 from gpubalance.exporter.otlp.decode import decode
 from gpubalance.exporter.otlp.limits import Tally
 from gpubalance.exporter.otlp.series import SPECS
@@ -175,10 +175,13 @@ class Served:
         body: bytes,
         content_type: str = PROTOBUF,
         encoding: str | None = None,
+        token: str | None = None,
     ) -> tuple[int, bytes, str]:
         headers = {"Content-Type": content_type}
         if encoding:
             headers["Content-Encoding"] = encoding
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         call = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(call, timeout=30) as response:
@@ -202,12 +205,11 @@ class Served:
 
 
 @contextmanager
-def serve(receiver: OtlpReceiver, auto_decompress: bool = True) -> Iterator[Served]:
-    """``receiver.handle`` at POST /v1/metrics on 127.0.0.1, as the exporter mounts it."""
+def serve(receiver: OtlpReceiver) -> Iterator[Served]:
+    """``receiver`` on 127.0.0.1 (a free port), on the runner the exporter's listener uses."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
-    runner = web.AppRunner(web.Application(), auto_decompress=auto_decompress, access_log=None)
-    runner.app.router.add_post("/v1/metrics", receiver.handle)
+    runner = otlp_runner(receiver)
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -287,14 +289,12 @@ def test_pushes_of_different_instruments_merge_into_one_reading(served: Served) 
     assert (r.request_duration_seconds_sum, r.request_duration_seconds_count) == (0.0015, 3)
 
 
-@pytest.mark.parametrize("auto_decompress", [True, False], ids=["aiohttp-inflates", "we-inflate"])
-def test_gzip(auto_decompress: bool) -> None:
-    with serve(OtlpReceiver(ServingStore()), auto_decompress) as served:
-        assert served.post(gzip.compress(five().SerializeToString()), encoding="gzip")[0] == 200
-        assert served.post(gzip.compress(as_json(five())), JSON, "gzip")[0] == 200
-        assert served.readings()[W0_KEY].reading.queue_depth == 3
-        assert served.post(b"not gzip at all", encoding="gzip")[0] == 400
-        assert served.receiver.stats().requests["bad_compression"] == 1
+def test_gzip(served: Served) -> None:
+    assert served.post(gzip.compress(five().SerializeToString()), encoding="gzip")[0] == 200
+    assert served.post(gzip.compress(as_json(five())), JSON, "gzip")[0] == 200
+    assert served.readings()[W0_KEY].reading.queue_depth == 3
+    assert served.post(b"not gzip at all", encoding="gzip")[0] == 400
+    assert served.receiver.stats().requests["bad_compression"] == 1
 
 
 def test_cumulative_replaces_and_delta_adds(served: Served) -> None:
@@ -390,6 +390,8 @@ REFUSALS = [
         "malformed",
         "exemplar traceId must be hex",
     ),
+    (b"{}", JSON, "br", 415, "unsupported_encoding", "must be gzip or identity"),
+    (b"{}", JSON, "zstd", 415, "unsupported_encoding", "must be gzip or identity"),
     (b"\xff{}", JSON, None, 400, "malformed", "not JSON"),
     (b"\0" * (4 * 1024 * 1024 + 1), PROTOBUF, None, 413, "too_large", "exceeds 4194304 bytes"),
     (
@@ -657,6 +659,25 @@ def test_a_json_body_of_too_many_values_is_refused_and_protobuf_is_not() -> None
         assert status == 413
         assert "max_json_values" in message_of(body, content_type)
         assert served.post(five().SerializeToString())[0] == 200
+
+
+# -- who may push ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "token",
+    [None, "", "s3cre7", "s3cre", "s3cret0"],
+    ids=["none", "empty", "wrong", "prefix", "longer"],
+)
+def test_without_the_token_a_push_gets_401_and_changes_nothing(token: str | None) -> None:
+    with serve(OtlpReceiver(ServingStore(), token="s3cret")) as served:
+        status, body, content_type = served.post(five().SerializeToString(), token=token)
+        assert status == 401
+        assert "token" in message_of(body, content_type)
+        assert len(served.store) == 0 and not served.store.statuses()
+        assert served.receiver.stats().requests == {"unauthorized": 1}
+        assert served.post(five().SerializeToString(), token="s3cret")[0] == 200
+        assert len(served.store) == 2
 
 
 # -- a real OpenTelemetry SDK --------------------------------------------------------------------
