@@ -199,10 +199,16 @@ class OtlpReceiver:
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.content.iter_chunked(64 * 1024):
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.content.iter_chunked(64 * 1024):
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ConnectionResetError:  # the client went away: nobody left to answer
+            log.debug("an OTLP client disconnected after %d bytes of its body", len(body))
+            raise Refused(
+                400, "disconnected", "a client disconnected before its body was read"
+            ) from None
         return bytes(body)
 
     def _refuse(self, refused: Refused, content_type: str, started: float) -> OtlpReply:

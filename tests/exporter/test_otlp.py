@@ -8,7 +8,9 @@ import asyncio
 import gzip
 import importlib.util
 import json
+import logging
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -678,6 +680,27 @@ def test_without_the_token_a_push_gets_401_and_changes_nothing(token: str | None
         assert served.receiver.stats().requests == {"unauthorized": 1}
         assert served.post(five().SerializeToString(), token="s3cret")[0] == 200
         assert len(served.store) == 2
+
+
+def test_a_client_gone_mid_upload_costs_one_quiet_line(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = int(served.url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            b"Content-Length: 100000\r\n\r\n" + b"\0" * 1000
+        )
+    deadline = time.monotonic() + 10
+    while "disconnected" not in served.receiver.stats().requests:
+        assert time.monotonic() < deadline, served.receiver.stats()
+        time.sleep(0.01)
+    ours = [r for r in caplog.records if r.name.startswith("gpubalance")]
+    assert [(r.levelno, r.exc_info) for r in ours] == [(logging.DEBUG, None)]
+    assert "disconnected" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(served.store) == 0
 
 
 # -- a real OpenTelemetry SDK --------------------------------------------------------------------
