@@ -433,3 +433,117 @@ class _ServingFigures:
         if not counts or sum(counts) <= 0 or len(sums) != len(counts):
             return None
         return sum(sums) / sum(counts)
+
+
+def _number(row: dict[str, str], column: str) -> float | None:
+    text = row.get(column, "")
+    return float(text) if text not in ("", None) else None
+
+
+def frames_from_lab_rows(
+    rows: Iterable[dict[str, str]], *, window_seconds: float, host: str
+) -> Iterator[GpuFrame]:
+    """Frames from a lab run's ``frames.csv`` (one row per GPU per sample period).
+
+    The CSV is what the lab recorded without ``--snapshots``: per-period figures, times in
+    seconds since the run's start, no host or process series (those frames say None).
+    """
+    by_window: dict[int, dict[int, list[dict[str, str]]]] = {}
+    period: float | None = None
+    first_t: float | None = None
+    for row in rows:
+        t = float(row["t"])
+        if first_t is None:
+            first_t = t
+        elif period is None and t > first_t:
+            period = t - first_t
+        index = window_index(t, 0.0, window_seconds)
+        by_window.setdefault(index, {}).setdefault(int(row["gpu"]), []).append(row)
+    period = period or first_t or 1.0
+    expected = max(1, round(window_seconds / period))
+    for index in sorted(by_window):
+        t_start = index * window_seconds
+        for gpu, gpu_rows in sorted(by_window[index].items()):
+            yield _lab_frame(
+                gpu_rows, host, gpu, t_start, t_start + window_seconds, expected, period
+            )
+
+
+def _lab_frame(
+    rows: Sequence[dict[str, str]],
+    host: str,
+    gpu: int,
+    t_start: float,
+    t_end: float,
+    expected: int,
+    period: float,
+) -> GpuFrame:
+    live = [r for r in rows if r["lost"] != "1"]
+
+    def values(column: str) -> list[float]:
+        return [v for r in live if (v := _number(r, column)) is not None]
+
+    utilization = values("utilization")
+    # instant depths, as a sampled source has them (the CSV's time-integral mean is finer,
+    # but frames must mean the same whatever their source)
+    depths = [(float(r["t"]), v) for r in live if (v := _number(r, "queue_depth")) is not None]
+    batches = values("batches")
+    batch_sizes = values("batch_size_mean")
+    delays = values("batch_delay_seconds")
+    completed = values("requests_completed")
+    failures = values("allocation_failures_total")
+    reasons = [frozenset(r["throttle_reasons"].split("|")) - {""} for r in live]
+    last = live[-1] if live else None
+    seconds = len(live) * period
+    batch_total = sum(batches)
+    return GpuFrame(
+        host=host,
+        gpu=gpu,
+        uuid=rows[-1]["uuid"],
+        card=rows[-1]["card"] or None,
+        t_start=t_start,
+        t_end=t_end,
+        sample_count=len(live),
+        expected_sample_count=expected,
+        lost=len(live) < len(rows),
+        utilization_mean_ratio=_mean(utilization),
+        utilization_p95_ratio=_p95(utilization),
+        memory_used_bytes=None if last is None else int(float(last["memory_used_bytes"])),
+        memory_total_bytes=None if last is None else int(float(last["memory_total_bytes"])),
+        memory_used_slope_bytes_per_second=_slope(
+            [(float(r["t"]), float(r["memory_used_bytes"])) for r in live]
+        ),
+        sm_clock_ratio=None,  # the CSV has no maximum clock
+        throttled_ratio=(
+            sum(1 for r in reasons if r & SLOWDOWN_REASONS) / len(reasons) if reasons else None
+        ),
+        throttle_reasons=frozenset().union(*reasons) & SLOWDOWN_REASONS,
+        power_ratio=None,
+        temperature_celsius=_mean(values("temperature_celsius")),
+        serving_queues=1 if live else 0,
+        queue_depth_mean=_mean([d for _, d in depths]),
+        queue_depth_max=max(values("queue_depth"), default=None),
+        queue_depth_slope_per_second=_slope(depths),
+        running_mean=_mean(values("running")),
+        batch_delay_seconds=(
+            sum(d * b for d, b in zip(delays, batches, strict=False)) / batch_total
+            if batch_total
+            else None
+        ),
+        request_duration_seconds=None,
+        batch_size_mean=(
+            sum(s * b for s, b in zip(batch_sizes, batches, strict=False)) / batch_total
+            if batch_total
+            else None
+        ),
+        completions_per_second=sum(completed) / seconds if seconds else None,
+        allocation_failures=(failures[-1] - failures[0]) if len(failures) > 1 else None,
+        service_classes=(),
+        feeder_processes=1 if live else 0,
+        feeder_cpu_cores_max=max(values("worker_cpu_cores"), default=None),
+        feeder_read_bytes_per_second=None,
+        host_cpu_busy_ratio=None,
+        host_cpu_pressure_ratio=None,
+        host_io_pressure_ratio=None,
+        host_iowait_ratio=None,
+    )
