@@ -73,6 +73,7 @@ class GpuFrame:
     completions_per_second: float | None
     allocation_failures: float | None  # counted in the window
     service_classes: tuple[str, ...]
+    queue_names: tuple[str, ...]  # the serving queues' names (a model, an engine): its pools
     # the feed: the processes holding the GPU, and the host
     feeder_processes: int
     feeder_cpu_cores_max: float | None  # the busiest feeding process, in cores
@@ -346,6 +347,7 @@ def _gpu_frame(
         completions_per_second=serving.rate_of("request_duration_seconds_count"),
         allocation_failures=serving.increase_of("allocation_failures_total"),
         service_classes=serving.classes,
+        queue_names=tuple(sorted({queue for _, _, queue in serving.series})),
         feeder_processes=len(pids),
         feeder_cpu_cores_max=feeder_cores,
         feeder_read_bytes_per_second=feeder_reads,
@@ -539,6 +541,7 @@ def _lab_frame(
         completions_per_second=sum(completed) / seconds if seconds else None,
         allocation_failures=(failures[-1] - failures[0]) if len(failures) > 1 else None,
         service_classes=(),
+        queue_names=(),
         feeder_processes=1 if live else 0,
         feeder_cpu_cores_max=max(values("worker_cpu_cores"), default=None),
         feeder_read_bytes_per_second=None,
