@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
-SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy
+SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl
 FUZZ_INPUTS ?= 100000
 
 .PHONY: all venv system-deps fakenvml test lint demo bench clean

@@ -31,6 +31,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="address to serve on (default :9450; port 0 picks a free one)",
     )
     parser.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        metavar="FILE",
+        help="TLS and basic auth of the scrape port, in the exporter-toolkit format that "
+        "node_exporter reads; reloaded on SIGHUP",
+    )
+    parser.add_argument(
         "--interval",
         type=float,
         metavar="SECONDS",
@@ -79,7 +86,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     parser.add_argument(
-        "--once", action="store_true", help="take one sample, print the /metrics text and exit"
+        "--once",
+        action="store_true",
+        help="take one sample, print the /metrics text and exit (1 when NVML did not come up)",
     )
     parser.add_argument(
         "--print-schema",
@@ -153,6 +162,7 @@ def load_config(args: argparse.Namespace) -> ExporterConfig:
 
 def run(args: argparse.Namespace) -> int:
     from gpubalance.config import ConfigError
+    from gpubalance.exporter.webconfig import WebSecurity
 
     if args.print_schema:
         from gpubalance.snapshot import json_schema
@@ -162,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
         config = load_config(args)
+        check_paths(config)
         collectors = build_collectors(config)
+        security = WebSecurity(args.web_config_file)
     except (ConfigError, ValueError) as exc:
         print(f"gpubalance exporter: {exc}", file=sys.stderr)
         return 2
@@ -180,8 +192,32 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.buffer.write(render(view, config.names))
         finally:
             sampler.stop()
+        nvml = view.sample.nvml
+        if not nvml.up and any(c.name == "gpu" for c in collectors):
+            # the metrics are printed all the same: the host part of them is still good
+            print(f"gpubalance exporter: NVML did not come up: {nvml.error}", file=sys.stderr)
+            return 1
         return 0
-    return asyncio.run(serve(config, sampler))
+    return asyncio.run(serve(config, sampler, security))
+
+
+def check_paths(config: ExporterConfig) -> None:
+    """Paths that cannot work: refused at start (exit 2), not retried or skipped for ever."""
+    from gpubalance.exporter.collectors import enabled_specs
+    from gpubalance.exporter.nvml import library_problem
+
+    enabled = {spec.name for spec in enabled_specs(config.collectors)}
+    # Only the root must exist at start: its files may follow (a procfs tree being written).
+    if enabled & {"host", "processes"} and not os.path.isdir(config.procfs):
+        what = "is not a directory" if os.path.exists(config.procfs) else "does not exist"
+        raise ValueError(
+            f"--procfs {config.procfs} {what}: point it at a mounted procfs, e.g. the "
+            "host's /proc mounted at /host/proc (exporter.procfs in --config)"
+        )
+    if "gpu" in enabled and config.nvml_library:
+        problem = library_problem(config.nvml_library)
+        if problem is not None:
+            raise ValueError(f"--nvml-library: {problem}")
 
 
 def build_collectors(config: Any) -> list[Any]:
@@ -190,32 +226,38 @@ def build_collectors(config: Any) -> list[Any]:
     return [spec.factory(config) for spec in enabled_specs(config.collectors)]
 
 
-async def serve(config: Any, sampler: Any) -> int:
+async def serve(config: Any, sampler: Any, security: Any) -> int:
     from aiohttp import web
 
     from gpubalance.exporter.server import ExporterServer
 
     log = logging.getLogger("gpubalance.exporter")
-    runner = web.AppRunner(ExporterServer(sampler, config).app(), access_log=None)
+    app = ExporterServer(sampler, config).app()
+    security.install(app)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = config.listen_address
     try:
-        await web.TCPSite(runner, host, port).start()
+        await security.listen(runner.server, host, port)
     except OSError as exc:
         await runner.cleanup()
         sampler.stop()
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         print(f"gpubalance exporter: cannot listen on {config.listen}: {reason}", file=sys.stderr)
         return 2
-    for address in runner.addresses:
-        log.info("listening on http://%s:%d", *address[:2])
+    log.info("web config %s: %s", security.config.source, security.config.describe())
+    for url in security.urls():
+        log.info("listening on %s", url)
     sampler.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if security.path:
+        loop.add_signal_handler(signal.SIGHUP, security.reload_soon)
     await stop.wait()
     log.info("stopping")
+    security.close()
     await runner.cleanup()
     sampler.stop()
     return 0

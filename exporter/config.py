@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpubalance.exporter.window import TrendRule
+
 DEFAULT_PORT = 9450
 
 
@@ -78,11 +80,19 @@ class ExporterConfig(BaseModel):
     interval: float = Field(1.0, gt=0, le=3600, description="seconds between samples")
     window: float = Field(30.0, gt=0, description="seconds averaged by window figures")
     trend_window: float = Field(300.0, gt=0, description="seconds of memory trend (slope)")
+    trend_min_points: int = Field(10, ge=3, description="readings a memory slope needs")
+    trend_min_span: float = Field(
+        0.5, gt=0, le=1, description="share of trend_window the readings of a slope must span"
+    )
     names: Literal["native", "dcgm", "both"] = "native"
     procfs: str = "/proc"
     nvml_library: str | None = None
     hostname: str | None = None
     nvml_retry_max: float = Field(30.0, gt=0, description="longest wait between NVML re-inits")
+    nvml_deadline: float = Field(
+        0.5, gt=0, description="seconds a GPU's reads may take per sample (at most the interval)"
+    )
+    nvml_lost_recheck: float = Field(30.0, gt=0, description="seconds between lost-GPU re-checks")
     collectors: dict[str, bool] = Field(default_factory=dict)
     serving: ServingConfig = ServingConfig()
 
@@ -107,6 +117,10 @@ class ExporterConfig(BaseModel):
     @property
     def listen_address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
+
+    @property
+    def trend_rule(self) -> TrendRule:
+        return TrendRule(min_points=self.trend_min_points, min_span_ratio=self.trend_min_span)
 
     @property
     def history_length(self) -> int:

@@ -7,6 +7,11 @@ the first call of a capability is its probe. NOT_SUPPORTED and a missing symbol
 unsupported query is never retried every second; a lost GPU is flagged and skipped while the
 others keep answering.
 
+Threads: the GPU collector reads each GPU from a worker thread of its own (NVML is thread-safe,
+and pynvml releases the GIL inside each ctypes call), so a device's per-read bookkeeping is
+touched by its worker only; what every thread touches (the error counts, the log-once set) is
+behind one lock. Init, shutdown, enumeration and events stay on the sampler thread.
+
 Nothing here is specific to gpubalance's fake driver: only the NVML ABI, through pynvml.
 """
 
@@ -15,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +102,9 @@ class Device:
     lost: bool = False
     lost_at: float | None = None
     capabilities: dict[str, Support] = field(default_factory=dict)
+    # the pynvml function in flight on this GPU (or the last one started): what a stuck read
+    # is stuck in
+    current_call: str | None = None
     # collector bookkeeping that must survive between samples
     last_utilization_sample_us: int = 0
     last_process_sample_us: int = 0
@@ -103,7 +113,30 @@ class Device:
     static: dict[str, Any] = field(default_factory=dict)
 
     def supported(self) -> dict[str, bool]:
-        return {cap: state is Support.SUPPORTED for cap, state in self.capabilities.items()}
+        # dict() copies in one step: the GPU's worker may be adding a probe result meanwhile
+        capabilities = dict(self.capabilities)
+        return {cap: state is Support.SUPPORTED for cap, state in capabilities.items()}
+
+
+def _placeholder_uuid(index: int) -> str:
+    """The UUID a GPU goes by when it was lost before NVML told its real one."""
+    return f"GPU-unknown-{index}"
+
+
+def library_problem(path: str) -> str | None:
+    """Why ``path`` cannot be libnvidia-ml.so.1, or None. Checked once at start: retrying
+    cannot make a missing file appear or another library grow NVML's entry points."""
+    if "/" in path and not os.path.exists(path):
+        return f"{path} does not exist"
+    if os.path.isdir(path):
+        return f"{path} is a directory, not a library"
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        return f"cannot load {path}: {exc}"
+    if not hasattr(library, "nvmlInit_v2"):
+        return f"{path} is not an NVML library (no nvmlInit_v2)"
+    return None
 
 
 class NvmlSession:
@@ -120,6 +153,7 @@ class NvmlSession:
         self.retry_max_seconds = retry_max_seconds
         self.lost_recheck_seconds = lost_recheck_seconds
         self._clock = clock
+        self._lock = threading.Lock()  # errors_total and _logged_missing, shared by workers
         self._library: ctypes.CDLL | None = None
         self._up = False
         self._next_attempt = 0.0
@@ -137,13 +171,19 @@ class NvmlSession:
     def snapshot_status(self) -> NvmlStatus:
         """The status with the error counts as of now, for one sample."""
         errors: dict[str, dict[str, int]] = {}
-        for (call, error), count in self.errors_total.items():
+        with self._lock:
+            counts = list(self.errors_total.items())
+        for (call, error), count in counts:
             errors.setdefault(call, {})[error] = count
         return replace(
             self.status,
             errors_total=errors,
             init_failures_total=self.init_failures_total,
         )
+
+    def count_error(self, call: str, error: str) -> None:
+        with self._lock:  # Counter's += is a read and a write: two workers could lose one
+            self.errors_total[(call, error)] += 1
 
     @property
     def up(self) -> bool:
@@ -201,9 +241,8 @@ class NvmlSession:
             nvml_version=self._optional(pynvml.nvmlSystemGetNVMLVersion),
             cuda_driver_version=self._optional(pynvml.nvmlSystemGetCudaDriverVersion),
         )
-        # A re-init forgets every probe (the driver behind it may be another one); GPUs known
-        # to be lost stay listed until they answer again.
-        self.devices = [d for d in self.devices if d.lost]
+        # A re-init forgets every probe (the driver behind it may be another one): shutdown
+        # marked every known GPU lost, and each comes back, probed afresh, as it answers.
         self._create_event_set()
         self.refresh_devices()
         log.info("NVML up: driver %s, %d GPU(s)", self.status.driver_version, len(self.devices))
@@ -212,7 +251,7 @@ class NvmlSession:
         try:
             value = fn()
         except pynvml.NVMLError as exc:
-            self.errors_total[(fn.__name__, error_name(exc))] += 1
+            self.count_error(fn.__name__, error_name(exc))
             return None
         return _text(value) if isinstance(value, bytes) else value  # type: ignore[return-value]
 
@@ -220,13 +259,19 @@ class NvmlSession:
         try:
             self.event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
-            self.errors_total[("nvmlEventSetCreate", error_name(exc))] += 1
+            self.count_error("nvmlEventSetCreate", error_name(exc))
             self.event_set = None
 
     def shutdown(self) -> None:
         if not self._up:
             return
         self._up = False
+        # Without NVML nothing is known about any GPU: each stays listed, as lost, until it
+        # answers again; a worker still inside a read finds its GPU lost and skips the rest.
+        now = self._clock()
+        for device in self.devices:
+            if not device.lost:
+                device.lost, device.lost_at = True, now
         try:
             if self.event_set is not None:
                 pynvml.nvmlEventSetFree(self.event_set)
@@ -250,7 +295,7 @@ class NvmlSession:
             return pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
             self._raise_if_session_error(exc)
-            self.errors_total[("nvmlDeviceGetCount", error_name(exc))] += 1
+            self.count_error("nvmlDeviceGetCount", error_name(exc))
             return None
 
     def refresh_devices(self, count: int | None = None) -> None:
@@ -267,7 +312,10 @@ class NvmlSession:
             device = self._open(index, by_uuid.get, by_index.get(index), now)
             if device is not None:
                 current[device.uuid] = device
+        answering = {d.index for d in current.values() if not d.lost}
         for device in self.devices:
+            if device.uuid == _placeholder_uuid(device.index) and device.index in answering:
+                continue  # the GPU lost before NVML told its UUID: it answers under it now
             if device.uuid not in current:
                 if not device.lost:
                     log.warning("GPU %d (%s) is gone from NVML", device.index, device.uuid)
@@ -287,10 +335,10 @@ class NvmlSession:
             uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as exc:
             self._raise_if_session_error(exc)
-            self.errors_total[("nvmlDeviceGetHandleByIndex", error_name(exc))] += 1
+            self.count_error("nvmlDeviceGetHandleByIndex", error_name(exc))
             if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
                 return None
-            device = at_index or Device(index=index, uuid=f"GPU-unknown-{index}", handle=None)
+            device = at_index or Device(index=index, uuid=_placeholder_uuid(index), handle=None)
             if not device.lost:
                 log.warning("GPU %d (%s) is lost", index, device.uuid)
                 device.lost, device.lost_at = True, now
@@ -298,6 +346,11 @@ class NvmlSession:
         device = known(uuid)
         if device is None or device.lost:
             # New, or back from the dead: probe everything again.
+            was_lost = device is not None or (
+                at_index is not None and at_index.lost and at_index.uuid == _placeholder_uuid(index)
+            )
+            if was_lost:
+                log.info("GPU %d (%s) recovered: NVML answers for it again", index, uuid)
             device = Device(index=index, uuid=uuid, handle=handle)
             device.name = self._static(device, "name", pynvml.nvmlDeviceGetName, handle)
             pci = self._static(device, "pci_info", pynvml.nvmlDeviceGetPciInfo, handle)
@@ -360,6 +413,7 @@ class NvmlSession:
         state = device.capabilities.get(capability)
         if state is Support.UNSUPPORTED or state is Support.MISSING:
             return None
+        device.current_call = fn.__name__
         try:
             value = fn(*args, **kwargs)
         except pynvml.NVMLLibraryMismatchError:
@@ -384,7 +438,7 @@ class NvmlSession:
         if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
             self._missing(device, capability, call)
             return None
-        self.errors_total[(call, error_name(exc))] += 1
+        self.count_error(call, error_name(exc))
         if code == pynvml.NVML_ERROR_GPU_IS_LOST:
             if not device.lost:
                 log.warning("GPU %d (%s) is lost", device.index, device.uuid)
@@ -395,8 +449,10 @@ class NvmlSession:
 
     def _missing(self, device: Device, capability: str, call: str) -> None:
         device.capabilities[capability] = Support.MISSING
-        if call not in self._logged_missing:
+        with self._lock:
+            first = call not in self._logged_missing
             self._logged_missing.add(call)
+        if first:
             log.warning(
                 "%s is missing from this NVML library (driver %s, nvidia-ml-py %s): "
                 "%s degrades to unsupported",

@@ -58,7 +58,12 @@ class Sampler:
             collectors=tuple(results),
         )
         self.history.append(sample)
-        window = compute_window(self.history, self.config.window, self.config.trend_window)
+        window = compute_window(
+            self.history,
+            self.config.window,
+            self.config.trend_window,
+            trend_rule=self.config.trend_rule,
+        )
         self._samples_total += 1
         view = View(
             generation=self._samples_total,

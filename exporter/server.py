@@ -129,19 +129,43 @@ class ExporterServer:
         return response
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """ok (200), degraded (200: what is wrong under ``problems``), stale or starting (503).
+
+        Only a sampler that stopped publishing answers 503: restarting the exporter can fix
+        that, while a lost or stuck GPU or a driver that is away is the host's fault, and an
+        exporter taken out of service or restarted over it would stop serving the very
+        series that report it (alert on those instead).
+        """
         view = self.sampler.view
         if view is None:
             return web.json_response({"status": "starting"}, status=503)
-        age = time.time() - view.sample.timestamp_seconds
-        stale_after = max(3 * self.config.interval, 5.0)
-        healthy = age <= stale_after
+        sample = view.sample
+        age = time.time() - sample.timestamp_seconds
+        fresh = age <= max(3 * self.config.interval, 5.0)
+        nvml_down = not sample.nvml.up and any(r.name == "gpu" for r in sample.collectors)
+        problems = [f"NVML down: {sample.nvml.error}"] if nvml_down else []
+        problems += [f"GPU {g.index} ({g.uuid}) lost" for g in sample.gpus if g.lost]
+        problems += [
+            f"GPU {g.index} ({g.uuid}) stale: stuck in {g.stale_call or 'its first call'}"
+            for g in sample.gpus
+            if g.stale and not g.lost
+        ]
+        problems += [
+            f"collector {r.name} failed: {r.error}"
+            for r in sample.collectors
+            if not r.success and not (r.name == "gpu" and nvml_down)
+        ]
+        status = "stale" if not fresh else "degraded" if problems else "ok"
         return web.json_response(
             {
-                "status": "ok" if healthy else "stale",
+                "status": status,
+                "problems": problems,
                 "last_sample_age_seconds": round(age, 3),
-                "nvml_up": view.sample.nvml.up,
-                "nvml_error": view.sample.nvml.error,
-                "collectors": {r.name: r.success for r in view.sample.collectors},
+                "nvml_up": sample.nvml.up,
+                "nvml_error": sample.nvml.error,
+                "gpus_lost": [g.index for g in sample.gpus if g.lost],
+                "gpus_stale": [g.index for g in sample.gpus if g.stale],
+                "collectors": {r.name: r.success for r in sample.collectors},
             },
-            status=200 if healthy else 503,
+            status=200 if fresh else 503,
         )

@@ -1,7 +1,9 @@
 """Live terminal view of one exporter: per GPU utilization, memory and its trend, power, clocks,
 throttling and the host processes feeding it, read from /api/v1/snapshot every second.
 
-On a terminal it redraws in place; in a pipe it prints one table per refresh.
+On a terminal it redraws in place and keeps retrying an exporter it cannot read, the error on
+screen; in a pipe it prints one table per refresh and exits with status 1 at the first read that
+fails, so a script sees a dead URL.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from rich.console import Console, Group
@@ -22,16 +25,47 @@ from gpubalance.snapshot import Snapshot, from_json
 GIB = 1024**3
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds, for argparse: its error names the flag and the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _url(text: str) -> str:
+    """An http(s) base URL, for argparse."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"expected an http:// or https:// URL, e.g. http://127.0.0.1:9450, got {text!r}"
+        )
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
+        type=_url,
         default="http://127.0.0.1:9450",
         help="exporter base URL (default http://127.0.0.1:9450)",
     )
-    parser.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument(
+        "--refresh",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between reads (default 1)",
+    )
     parser.add_argument(
         "--duration",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="stop after this long (default: until Ctrl-C)",
@@ -79,10 +113,14 @@ def render(snapshot: Snapshot) -> Group:
     ):
         table.add_column(column, no_wrap=True)
     for gpu in sample.gpus:
-        if gpu.lost:
-            table.add_row(
-                str(gpu.index), gpu.name or "?", Text("LOST", style="bold red"), *([""] * 9)
+        if gpu.lost or gpu.stale:
+            # a stale GPU's reads are hung in the driver: no values, and the call it waits in
+            state = (
+                Text("LOST", style="bold red")
+                if gpu.lost
+                else Text(f"STALE in {gpu.stale_call or 'NVML'}", style="bold yellow")
             )
+            table.add_row(str(gpu.index), gpu.name or "?", state, *([""] * 9))
             continue
         win = gpu_windows.get(gpu.uuid)
         memory = "n/a"
@@ -92,7 +130,7 @@ def render(snapshot: Snapshot) -> Group:
         if win is not None and win.memory_used_slope_bytes_per_second is not None:
             trend = f"{win.memory_used_slope_bytes_per_second / 2**20:+.1f} MiB/s"
             if win.memory_time_to_full_seconds is not None:
-                trend += f" full {win.memory_time_to_full_seconds / 60:.0f}m"
+                trend += f" full in {_duration(win.memory_time_to_full_seconds)}"
         power = _fmt(gpu.power_watts, ".0f")
         if gpu.power_limit_watts:
             power += f"/{gpu.power_limit_watts:.0f} W"
@@ -133,6 +171,17 @@ def render(snapshot: Snapshot) -> Group:
     return Group(*lines)
 
 
+def _duration(seconds: float) -> str:
+    """Seconds under a minute, minutes under an hour, then hours, then days."""
+    if seconds < 59.5:
+        return f"{seconds:.0f} s"
+    if seconds < 3570:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} d"
+
+
 def _serving(snapshot: Snapshot, gpu: int) -> tuple[Text, str]:
     """Requests waiting in front of the GPU now, and their mean batch-assembly delay over the
     window (from the serving sources mapped to it)."""
@@ -159,20 +208,38 @@ def run(args: argparse.Namespace) -> int:
     return watch(args.url, args.refresh, args.duration)
 
 
+def _read_error(url: str, exc: OSError | ValueError) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"{url} answered HTTP {exc.code} {exc.reason}: is it a gpubalance exporter?"
+    if isinstance(exc, OSError):
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return f"cannot reach {url}: {reason}"
+    return f"{url} did not answer with a snapshot: {exc}"
+
+
 def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
+    """Show ``url`` every ``refresh`` s, for ``duration`` s or until Ctrl-C. Returns 1 when the
+    last read failed (in a pipe, the first failure ends the run), else 0."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a pipe or a log file: no reason to truncate columns
     deadline = None if duration is None else time.monotonic() + duration
     live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    failed = False
     try:
         if live is not None:
             live.start()
         while deadline is None or time.monotonic() < deadline:
             try:
                 view: Group | Text = render(fetch(url))
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                view = Text(f"cannot read {url}: {exc}", style="red")
+                failed = False
+            except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
+                failed = True
+                message = _read_error(url, exc)
+                if live is None:
+                    print(f"gpubalance top: {message}", file=sys.stderr)
+                    return 1
+                view = Text(f"{message} (retrying every {refresh:g} s)", style="bold red")
             if live is not None:
                 live.update(view, refresh=True)
             else:
@@ -183,7 +250,7 @@ def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
     finally:
         if live is not None:
             live.stop()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

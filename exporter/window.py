@@ -1,14 +1,18 @@
 """Window figures: what the last N seconds of samples say beyond the latest one.
 
 Counters become rates, NVML utilization samples become a mean, memory used becomes a trend
-(least-squares slope and time to full). Pure functions of the history: they run once per
-sample in the sampler thread, never per scrape.
+(a robust slope, and a time to full when the growth is real). Pure functions of the history:
+they run once per sample in the sampler thread, never per scrape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
 from itertools import islice
+
+import numpy as np
 
 from gpubalance.telemetry import (
     DiskWindow,
@@ -38,19 +42,59 @@ SLOWDOWN_REASONS = frozenset(
 )
 
 
-def compute_window(history: Sequence[Sample], seconds: float, trend_seconds: float) -> Window:
+@dataclass(frozen=True, slots=True)
+class TrendRule:
+    """When memory used is worth a slope, and when that slope is worth a time to full.
+
+    GPU memory moves in steps (a model load, an allocator segment) more than in lines: a slope
+    through a few points or over a short span turns one step into a fast "leak". So the slope
+    needs ``min_points`` readings spanning ``min_span_ratio`` of the trend window, and is the
+    Theil-Sen estimate (the median of the pairwise slopes), which a step near either end of the
+    span does not move. A time to full is given only for growth that is real: the slope's 95 %
+    confidence interval (Sen's) lies above zero, and the line fits the readings better (sum of
+    squared residuals) than the best single step does. One step, wherever it falls in the span,
+    fails the second test, and so do two even steps; a steady leak, or one in three steps or
+    more, passes.
+    """
+
+    min_points: int = 10
+    min_span_ratio: float = 0.5
+    # Beyond this many readings the fit runs on medians of runs of consecutive readings: the
+    # cost stays bounded (max_points**2 / 2 pairs per GPU) whatever the trend window holds.
+    max_points: int = 64
+
+
+DEFAULT_TREND = TrendRule()
+Z_95 = 1.959964  # two-sided 95 % quantile of the normal distribution
+
+
+def compute_window(
+    history: Sequence[Sample],
+    seconds: float,
+    trend_seconds: float,
+    trend_rule: TrendRule = DEFAULT_TREND,
+) -> Window:
     """Window figures for the last ``seconds`` (trends over ``trend_seconds``) of ``history``."""
     if not history:
         return Window(start_seconds=0.0, end_seconds=0.0)
     last = history[-1]
     end = last.timestamp_seconds
     recent = _since(history, end - seconds)
-    trend = _since(history, end - trend_seconds)
     first = recent[0]
+    memory = _memory_readings(_since(history, end - trend_seconds))
+    min_span = trend_rule.min_span_ratio * trend_seconds
     return Window(
         start_seconds=first.timestamp_seconds,
         end_seconds=end,
-        gpus=tuple(_gpu_window(gpu, recent, trend, end - seconds) for gpu in last.gpus),
+        gpus=tuple(
+            _gpu_window(
+                gpu,
+                recent,
+                end - seconds,
+                _memory_trend(gpu, memory.get(gpu.uuid), trend_rule, min_span),
+            )
+            for gpu in last.gpus
+        ),
         host=_host_window(first.host, last.host, end - first.timestamp_seconds),
         processes=_process_windows(recent),
         serving=_serving_windows(recent),
@@ -73,7 +117,10 @@ def _same_gpu(sample: Sample, uuid: str) -> GpuSample | None:
 
 
 def _gpu_window(
-    gpu: GpuSample, recent: Sequence[Sample], trend: Sequence[Sample], start: float
+    gpu: GpuSample,
+    recent: Sequence[Sample],
+    start: float,
+    trend: tuple[float | None, float | None],
 ) -> GpuWindow:
     series = [g for s in recent if (g := _same_gpu(s, gpu.uuid)) is not None and not g.lost]
     nvml_samples = [v for g in series for (t, v) in g.utilization_samples if t >= start]
@@ -86,7 +133,7 @@ def _gpu_window(
         utilization = sum(rates) / len(rates) if rates else None
         source = "rates" if rates else None
         count = len(rates)
-    slope, time_to_full = _memory_trend(gpu, trend)
+    slope, time_to_full = trend
     reasons = [g.throttle_reasons for g in series if g.throttle_reasons is not None]
     throttled = sum(1 for r in reasons if r & SLOWDOWN_REASONS) / len(reasons) if reasons else None
     return GpuWindow(
@@ -101,24 +148,87 @@ def _gpu_window(
     )
 
 
-def _memory_trend(gpu: GpuSample, trend: Sequence[Sample]) -> tuple[float | None, float | None]:
-    points = [
-        (s.timestamp_seconds, float(g.memory_used_bytes))
-        for s in trend
-        if (g := _same_gpu(s, gpu.uuid)) is not None and g.memory_used_bytes is not None
-    ]
-    if len(points) < 3:
+def _memory_readings(trend: Sequence[Sample]) -> dict[str, tuple[list[float], list[int]]]:
+    """Per GPU (by UUID), the times and memory used of its readings: one pass for all GPUs."""
+    readings: dict[str, tuple[list[float], list[int]]] = {}
+    for sample in trend:
+        for gpu in sample.gpus:
+            if gpu.memory_used_bytes is not None:
+                times, used = readings.setdefault(gpu.uuid, ([], []))
+                times.append(sample.timestamp_seconds)
+                used.append(gpu.memory_used_bytes)
+    return readings
+
+
+def _memory_trend(
+    gpu: GpuSample,
+    readings: tuple[list[float], list[int]] | None,
+    rule: TrendRule,
+    min_span: float,
+) -> tuple[float | None, float | None]:
+    """Slope of memory used (bytes/s) and time to full (s); None where the history cannot say."""
+    if readings is None or len(readings[0]) < rule.min_points:
         return None, None
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in points)
-    if var_t <= 0:
+    t = np.array(readings[0])
+    y = np.array(readings[1], dtype=float)
+    # from the first reading: epoch seconds would cost the pairwise differences their
+    # precision; centred: so would the running sums of squares in _one_step_error
+    t, y = _medians_of_runs(t - t[0], y - y.mean(), rule.max_points)
+    span = t[-1] - t[0]
+    if not span > 0 or span < min_span:  # not > 0: the wall clock stepped back
         return None, None
-    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / var_t
-    if slope <= 0 or gpu.memory_free_bytes is None:
+    slope, lower = _theil_sen(t, y)
+    residuals = y - slope * t
+    line_error = float(np.sum((residuals - residuals.mean()) ** 2))
+    if lower <= 0 or line_error >= _one_step_error(y) or gpu.memory_free_bytes is None:
         return slope, None
     return slope, gpu.memory_free_bytes / slope
+
+
+def _medians_of_runs(
+    t: np.ndarray, y: np.ndarray, max_points: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_points`` points: the medians of runs of consecutive points (the oldest
+    points that do not fill a run are left out; of an even run, the lower middle one)."""
+    n = len(t)
+    if n <= max_points:
+        return t, y
+    run = -(-n // max_points)
+    runs = n // run
+    middle = (run - 1) // 2
+    t = t[n - runs * run :].reshape(runs, run)[:, middle]  # times are in order already
+    y = np.partition(y[n - runs * run :].reshape(runs, run), middle, axis=1)[:, middle]
+    return t, y
+
+
+@cache  # one entry per point count, at most max_points of them
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, 1)
+
+
+def _theil_sen(t: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Median of the pairwise slopes, and the lower end of its 95 % confidence interval (Sen
+    1968: a rank from the variance of Kendall's S; without the tie correction, so a little
+    wider, the cautious side)."""
+    i, j = _pairs(len(t))
+    dt = t[j] - t[i]
+    valid = dt > 0
+    slopes = (y[j] - y[i])[valid] / dt[valid]
+    n = len(t)
+    spread = Z_95 * np.sqrt(n * (n - 1) * (2 * n + 5) / 18)
+    low = max(round((len(slopes) - spread) / 2) - 1, 0)
+    return float(np.median(slopes)), float(np.partition(slopes, low)[low])
+
+
+def _one_step_error(y: np.ndarray) -> float:
+    """Least sum of squared residuals of a single step: a level before some point, another
+    after it (every split at once, from running sums)."""
+    n = len(y)
+    total, squares = np.cumsum(y), np.cumsum(y * y)
+    before = np.arange(1, n)
+    left = squares[:-1] - total[:-1] ** 2 / before
+    right = (squares[-1] - squares[:-1]) - (total[-1] - total[:-1]) ** 2 / (n - before)
+    return float(np.min(left + right))
 
 
 def _rate(new: float, old: float, seconds: float) -> float:

@@ -30,6 +30,12 @@ class GpuSample:
     name: str | None = None
     pci_bus_id: str | None = None
     lost: bool = False
+    # No fresh reading: the GPU's NVML reads missed the per-sample deadline (``nvml_deadline``)
+    # or NVML itself is down. Every measurement below is then None, not the last good value,
+    # so nothing that skips this flag can take a stuck GPU for a live one; an idle GPU reads
+    # 0, a stale one None. ``stale_call`` is the pynvml function the reading is waiting in.
+    stale: bool = False
+    stale_call: str | None = None
     # Instant reading of nvmlDeviceGetUtilizationRates.
     utilization_ratio: float | None = None
     # NVML utilization samples (timestamp in seconds, ratio) newer than the previous sample;
@@ -276,9 +282,11 @@ class GpuWindow:
     utilization_ratio: float | None
     utilization_source: str | None  # "samples" | "rates"
     utilization_sample_count: int
-    # Least-squares slope of memory used over the trend window; time to full at that slope.
+    # Theil-Sen slope of memory used over the trend window (None until the window holds enough
+    # readings); time to full at that slope, None unless the growth is significant (a step, such
+    # as a model load, is not).
     memory_used_slope_bytes_per_second: float | None
-    memory_time_to_full_seconds: float | None  # None when memory is not growing
+    memory_time_to_full_seconds: float | None
     # Fraction of samples in which a slowdown reason (power, thermal, ...) was active.
     throttled_ratio: float | None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,27 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_BUILD = Path("build") / "fakenvml"
+
+
+def _seconds(text: str) -> float:
+    """--duration: a number of seconds above 0 (argparse turns the error into exit code 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +53,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--speed", choices=("fast", "live"), default="fast")
     run.add_argument(
         "--duration",
-        type=float,
+        type=_seconds,
         metavar="SECONDS",
         help="simulated seconds (default: the scenario's duration_seconds)",
     )
-    run.add_argument("--seed", type=int, metavar="N", help="default: the scenario's seed")
+    run.add_argument("--seed", type=_seed, metavar="N", help="default: the scenario's seed")
     run.add_argument("--out", type=Path, required=True, metavar="DIR")
     run.add_argument(
         "--snapshots",
@@ -57,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     demo.add_argument("--build-dir", type=Path, default=DEFAULT_BUILD, metavar="DIR")
     demo.add_argument(
         "--duration",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="stop after this long (default: until Ctrl-C; 20 s when not a terminal)",
@@ -105,8 +127,14 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gpubalance lab: {exc}", file=sys.stderr)
         return 2
-    duration = args.duration or plan.scenario.duration_seconds
+    duration = plan.scenario.duration_seconds if args.duration is None else args.duration
     seed = plan.scenario.seed if args.seed is None else args.seed
+    for warning in plan.warnings(duration, seed):
+        print(f"gpubalance lab: warning: {warning}", file=sys.stderr)
+    problem = _make_directory(args.out)
+    if problem is not None:
+        print(f"gpubalance lab: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     with _progress(duration) as on_sample:
         summary = lab_run.run(
             plan,
@@ -123,6 +151,18 @@ def _run(args: argparse.Namespace) -> int:
         f"{summary.truth_rows} truth rows -> {summary.out}"
     )
     return 0
+
+
+def _make_directory(out: Path) -> str | None:
+    """Create --out before anything runs; what stands in the way, or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            return f"{blocking} is not a directory"
+        return f"cannot create the directory: {exc.strerror or exc}"
+    return None
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ idling, the slow card's tail latency.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 import urllib.request
@@ -50,7 +51,9 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
         build_dir=build_dir,
         exporter_args=("--window", "10", "--trend-window", "60", "--log-level", "warning"),
         on_ready=lambda _: ready.set(),
+        keep_files=True,  # the demo names its run directory: it is there to be looked at
     )
+    shown = False
     failure: list[BaseException] = []
 
     def serve() -> None:
@@ -73,7 +76,12 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
             f"exporter: {lab.exporter.url}/metrics   HAProxy frontend: "
             f"http://127.0.0.1:{lab.frontend_port}   lab files: {lab.run_dir}"
         )
+        shown = True
         return watch(lab.exporter.url, refresh=1.0, duration=duration)
     finally:
         lab.halt()
         thread.join(timeout=60)
+        if shown:
+            print(f"lab files kept in {lab.run_dir}; remove them with: rm -r {lab.run_dir}")
+        else:
+            shutil.rmtree(lab.run_dir, ignore_errors=True)

@@ -2,23 +2,31 @@
 
 Schema and examples: lab/scenarios/README.md. A scenario is checked before anything runs: an
 unknown key, a wrong type or an impossible placement (a model larger than its card) fails with
-the file, the line and the key.
+the file, the line and the key. What a valid scenario will still do wrong in a run (an event
+after its end, a KV region smaller than one request, a pool swamped) are `Plan.warnings()`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpubalance.config import ConfigError, Loc, load_yaml, validate
+from gpubalance.lab import traffic
 from gpubalance.lab.catalogue import CARDS, MIB, Card
+from gpubalance.lab.model.service import ServiceModel
 from gpubalance.lab.traffic import TrafficSource
+from gpubalance.lab.workload import Request
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 GIB = 1024 * MIB
+# a pool offered more than this many times what its workers can serve is a run of queues
+OVERLOAD_WARNING_RATIO = 3.0
 
 Policy = Literal[
     "round_robin", "weighted_round_robin", "least_connections", "random_of_2", "sticky", "pooled"
@@ -147,7 +155,7 @@ class Scenario(_Strict):
     name: str
     description: str
     duration_seconds: float = Field(600.0, gt=0)
-    seed: int = 1
+    seed: int = Field(1, ge=0, description="seed of the request stream and the routers")
     interval_seconds: float = Field(1.0, gt=0, le=60, description="telemetry sample period")
     truth_window_seconds: float = Field(30.0, gt=0, description="ground-truth window")
     hardware: HardwareSpec
@@ -191,6 +199,7 @@ class Plan:
     source: str  # file the scenario came from
     gpus: tuple[PlannedGpu, ...]
     workers: tuple[PlannedWorker, ...]
+    lines: dict[Loc, int] = field(default_factory=dict, compare=False, repr=False)
 
     def pool_of(self, service_class: str) -> str:
         return self.scenario.router.pools.get(service_class, "default")
@@ -198,11 +207,86 @@ class Plan:
     def workers_in(self, pool: str) -> tuple[PlannedWorker, ...]:
         return tuple(w for w in self.workers if w.pool == pool)
 
+    def warnings(self, duration_seconds: float | None = None, seed: int | None = None) -> list[str]:
+        """What this valid scenario will still do wrong in a run of this duration and seed (the
+        scenario's by default), one line each, located like the errors. Reads the request
+        stream the run will send."""
+        scenario = self.scenario
+        duration = scenario.duration_seconds if duration_seconds is None else duration_seconds
+        found = [
+            self._at(
+                ("events", i, "at"),
+                f"at {event.at:g} s, not earlier than the run's end ({duration:g} s): the "
+                f"{event.action} event falls after the run's arrivals, frames and truth",
+            )
+            for i, event in enumerate(scenario.events)
+            if event.at >= duration
+        ]
+        requests = traffic.generate(
+            scenario.traffic, duration, scenario.seed if seed is None else seed
+        )
+        for pool in sorted({w.pool for w in self.workers}):
+            mine = [r for r in requests if self.pool_of(r.service_class) == pool]
+            if mine:
+                found += self._pool_warnings(pool, mine, duration)
+        return found
 
-def _fail(source: str, lines: dict[Loc, int], loc: Loc, message: str) -> ConfigError:
+    def _pool_warnings(
+        self, pool: str, requests: Sequence[Request], duration_seconds: float
+    ) -> list[str]:
+        """KV regions smaller than the pool's mean request; a pool offered far more than its
+        GPUs serve."""
+        found = []
+        prompt = np.array([r.prompt_tokens for r in requests], dtype=float)
+        output = np.array([r.output_tokens for r in requests], dtype=float)
+        workers = self.workers_in(pool)
+        spec_of = _spec_index(self.scenario)
+        for w in workers:
+            need = float((prompt + output).mean()) * w.model.kv_bytes_per_token
+            if need > w.kv_cache_bytes:
+                entry = spec_of[w.index]
+                key = "kv_cache_gib" if self.scenario.workers[entry].kv_cache_gib else "model"
+                found.append(
+                    self._at(
+                        ("workers", entry, key),
+                        f"worker {w.name}'s KV region ({w.kv_cache_bytes / MIB:.0f} MiB) is "
+                        f"smaller than the mean request of pool {pool!r} ({need / MIB:.0f} MiB "
+                        f"of KV cache): most of its requests will fail with oom",
+                    )
+                )
+        # requests per second at full batches and full clocks; a GPU counts once per pool
+        capacity = 0.0
+        for gpu in sorted({w.gpu for w in workers}):
+            w = next(w for w in workers if w.gpu == gpu)
+            model = ServiceModel(
+                self.gpus[gpu].card, w.model.params_billions, w.model.bytes_per_param
+            )
+            a, d = model.request_cost_seconds(w.max_batch_size, prompt, output)
+            capacity += 1.0 / float((a + d).mean())
+        offered = len(requests) / duration_seconds
+        if offered > OVERLOAD_WARNING_RATIO * capacity:
+            found.append(
+                self._at(
+                    ("traffic",),
+                    f"pool {pool!r} is offered {offered:.1f} requests/s, "
+                    f"{offered / capacity:.1f}x the {capacity:.1f} its workers serve at full "
+                    "batches: its queues will grow all run long",
+                )
+            )
+        return found
+
+    def _at(self, loc: Loc, message: str) -> str:
+        return _located(self.source, self.lines, loc, message)
+
+
+def _located(source: str, lines: dict[Loc, int], loc: Loc, message: str) -> str:
     line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
     where = f"{source}:{line}" if line else source
-    return ConfigError(f"{where}: {'.'.join(str(p) for p in loc)}: {message}")
+    return f"{where}: {'.'.join(str(p) for p in loc)}: {message}"
+
+
+def _fail(source: str, lines: dict[Loc, int], loc: Loc, message: str) -> ConfigError:
+    return ConfigError(_located(source, lines, loc, message))
 
 
 def plan(
@@ -274,7 +358,9 @@ def plan(
             )
     workers = _name_and_size(workers, gpus, scenario, source, lines)
     _check_references(scenario, workers, len(gpus), source, lines)
-    return Plan(scenario=scenario, source=source, gpus=tuple(gpus), workers=tuple(workers))
+    return Plan(
+        scenario=scenario, source=source, gpus=tuple(gpus), workers=tuple(workers), lines=lines
+    )
 
 
 def _name_and_size(
@@ -408,7 +494,8 @@ def _check_references(
                 source,
                 lines,
                 ("events", i, "at"),
-                f"at {event.at} s is after the end ({scenario.duration_seconds} s)",
+                f"at {event.at:g} s must be earlier than the end "
+                f"({scenario.duration_seconds:g} s, duration_seconds)",
             )
 
 

@@ -10,7 +10,7 @@ below are the thresholds named there.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +67,8 @@ class TruthRow:
     batch_idle_share: float
     share_of_pool_work: float
     capacity_share: float
+    down_share: float
+    fair_rho: float
 
 
 class _Timeline:
@@ -337,6 +339,45 @@ def _even(live: Sequence[PlannedWorker], up: dict[str, float]) -> dict[str, floa
     return {w.name: up[w.name] / total for w in live}
 
 
+@dataclass(frozen=True, slots=True)
+class _Figures:
+    """One GPU in one window: what the rules read about the GPU itself."""
+
+    rho: float
+    rho_free: float
+    clock: float
+    cpu_limited: bool
+    io_limited: bool
+    memory: bool  # memory pressure
+    memory_ratio: float
+    batch_idle: float
+    interference: bool
+    down: float
+
+    @property
+    def limited(self) -> bool:
+        """Its worker is down most of the window or its host caps what reaches it: work sent
+        here would wait, so the GPU cannot relieve another."""
+        return self.down >= DOWN_SHARE or self.cpu_limited or self.io_limited
+
+    @property
+    def takes_work(self) -> bool:
+        """More work sent here would be served: not limited, and its KV cache has room."""
+        return not (self.limited or self.memory)
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """One GPU among the others: its pool's shares and whether its work could go elsewhere."""
+
+    share: float  # of its pool peers' requests
+    capacity_share: float  # of its pool peers' capacity
+    slow: bool
+    busy_peer: bool
+    fair_rho: float  # rho of a capacity-proportional split over the GPUs that take its work
+    fair_rho_unthrottled: float  # the same with this GPU at full clock
+
+
 def _judge(
     plan: Plan,
     loads: dict[str, _WorkerLoad],
@@ -357,7 +398,7 @@ def _judge(
     threads_total = sum(w.preprocess.threads for w in plan.workers)
     disk_seconds = sum(load.io_mb for load in loads.values()) / disk_mb_s
     io_factor = min(1.0, width / disk_seconds) if disk_seconds > 0 else 1.0
-    per_gpu: dict[int, dict[str, float]] = {}
+    figures: dict[int, _Figures] = {}
     for gpu in plan.gpus:
         lost = timeline.lost_at(gpu.index)
         if lost is not None and lost < end:
@@ -404,45 +445,51 @@ def _judge(
                         and w_rho >= STARVED_RHO
                     ):
                         interference = True
-        per_gpu[gpu.index] = {
-            "rho": rho,
-            "rho_free": rho_free,
-            "clock": c,
-            "cpu": cpu_limited,
-            "io": io_limited,
-            "memory": memory,
-            "memory_ratio": memory_ratio,
-            "batch_idle": batch_idle,
-            "interference": interference,
-            "down": down,
-        }
-    # pool-level figures: share of work against share of capacity, fastest card
-    rows = []
-    all_rho = [v["rho"] for v in per_gpu.values()]
-    for gpu in plan.gpus:
-        if gpu.index not in per_gpu:
-            continue
-        v = per_gpu[gpu.index]
-        share, capacity_share, slow, busy_peer = _pool_view(
-            plan, gpu.index, per_gpu, loads, models, prompt, output, index
+        figures[gpu.index] = _Figures(
+            rho=rho,
+            rho_free=rho_free,
+            clock=c,
+            cpu_limited=cpu_limited,
+            io_limited=io_limited,
+            memory=memory,
+            memory_ratio=memory_ratio,
+            batch_idle=batch_idle,
+            interference=interference,
+            down=down,
         )
-        state, cause = _classify(v, all_rho, share, capacity_share, slow, busy_peer, policy)
+    # per worker: the mean cost of the window's requests on it, at its GPU's clock
+    sample_p = prompt[index] if len(index) else np.array([512.0])
+    sample_o = output[index] if len(index) else np.array([128.0])
+    cost: dict[str, float] = {}
+    cost_free: dict[str, float] = {}  # the same at full clock
+    for w in plan.workers:
+        if w.gpu in figures:
+            a, d = models[w.name].request_cost_seconds(w.max_batch_size, sample_p, sample_o)
+            c = figures[w.gpu].clock
+            cost[w.name] = float((a / c + d / math.sqrt(c)).mean())
+            cost_free[w.name] = float((a + d).mean())
+    rows = []
+    for gpu, v in figures.items():
+        view = _pool_view(plan, gpu, figures, loads, cost, cost_free, up)
+        state, cause = _classify(v, view, policy)
         rows.append(
             TruthRow(
                 t_start=start,
                 t_end=end,
-                gpu=gpu.index,
+                gpu=gpu,
                 state=state,
                 cause=cause,
-                rho=round(v["rho"], 4),
-                rho_unthrottled=round(v["rho_free"], 4),
-                clock_ratio=round(v["clock"], 4),
-                cpu_limited=bool(v["cpu"]),
-                io_limited=bool(v["io"]),
-                memory_ratio=round(v["memory_ratio"], 4),
-                batch_idle_share=round(v["batch_idle"], 4),
-                share_of_pool_work=round(share, 4),
-                capacity_share=round(capacity_share, 4),
+                rho=round(v.rho, 4),
+                rho_unthrottled=round(v.rho_free, 4),
+                clock_ratio=round(v.clock, 4),
+                cpu_limited=v.cpu_limited,
+                io_limited=v.io_limited,
+                memory_ratio=round(v.memory_ratio, 4),
+                batch_idle_share=round(v.batch_idle, 4),
+                share_of_pool_work=round(view.share, 4),
+                capacity_share=round(view.capacity_share, 4),
+                down_share=round(v.down, 4),
+                fair_rho=round(view.fair_rho, 4),
             )
         )
     return rows
@@ -469,69 +516,88 @@ def _batch_idle_share(
 def _pool_view(
     plan: Plan,
     gpu: int,
-    per_gpu: dict[int, dict[str, float]],
+    figures: dict[int, _Figures],
     loads: dict[str, _WorkerLoad],
-    models: dict[str, ServiceModel],
-    prompt: np.ndarray,
-    output: np.ndarray,
-    index: np.ndarray,
-) -> tuple[float, float, bool, bool]:
+    cost: dict[str, float],
+    cost_free: dict[str, float],
+    up: dict[str, float],
+) -> _View:
+    def first(g: int, accept: Callable[[PlannedWorker], bool]) -> PlannedWorker | None:
+        return next((w for w in plan.workers if w.gpu == g and accept(w)), None)
+
+    mine = first(gpu, lambda w: True)
+    if mine is None:  # a GPU without workers gets no work and relieves no one
+        return _View(0.0, 0.0, False, False, figures[gpu].rho, figures[gpu].rho)
+    # pool peers: the GPUs the same router spreads this GPU's requests over
     pools = {w.pool for w in plan.workers if w.gpu == gpu}
-    peers = sorted({w.gpu for w in plan.workers if w.pool in pools and w.gpu in per_gpu})
-    if not peers:
-        return 0.0, 0.0, False, False
-    sample_p = prompt[index] if len(index) else np.array([512.0])
-    sample_o = output[index] if len(index) else np.array([128.0])
-    cost = {}
-    for g in peers:
-        w = next(w for w in plan.workers if w.gpu == g and w.pool in pools)
-        a, d = models[w.name].request_cost_seconds(w.max_batch_size, sample_p, sample_o)
-        c = per_gpu[g]["clock"]
-        cost[g] = float((a / c + d / math.sqrt(c)).mean())
-    capacity = {g: 1.0 / cost[g] for g in peers}
-    work = {g: sum(loads[w.name].requests for w in plan.workers if w.gpu == g) for g in peers}
+    pool_worker = {g: w for g in figures if (w := first(g, lambda w: w.pool in pools)) is not None}
+    capacity = {g: up[w.name] / cost[w.name] for g, w in pool_worker.items()}
+    work = {g: sum(loads[w.name].requests for w in plan.workers if w.gpu == g) for g in pool_worker}
     total_work = sum(work.values())
     share = work[gpu] / total_work if total_work else 0.0
-    capacity_share = capacity[gpu] / sum(capacity.values())
-    slow = cost[gpu] >= SLOW_CARD_COST * min(cost.values())
-    busy_peer = any(per_gpu[g]["rho"] >= BUSY_PEER_RHO for g in peers if g != gpu)
-    return share, capacity_share, slow, busy_peer
+    total_capacity = sum(capacity.values())
+    capacity_share = capacity[gpu] / total_capacity if total_capacity else 0.0
+    # slow next to the peers that could take its work, and sent more than its capacity share
+    able = [g for g in pool_worker if g == gpu or figures[g].takes_work]
+    cheapest = min(cost[pool_worker[g].name] for g in able)
+    slow = cost[pool_worker[gpu].name] >= SLOW_CARD_COST * cheapest and share > capacity_share
+    busy_peer = any(figures[g].rho >= BUSY_PEER_RHO for g in pool_worker if g != gpu)
+    # the GPUs that could serve this GPU's work (its model, any pool: pools are the router's
+    # choice, models are not) and can take more, with their work split by capacity
+    fair = {
+        g: w
+        for g in figures
+        if (g == gpu or figures[g].takes_work)
+        and (w := first(g, lambda w: w.model_name == mine.model_name)) is not None
+    }
+    weight = {g: up[w.name] / cost[w.name] for g, w in fair.items()}
+    rho = {g: figures[g].rho for g in fair}
+    fair_rho = _weighted(rho, weight, figures[gpu].rho)
+    # the same split with this GPU at full clock: what a capacity-aware router would do once
+    # a throttle is lifted
+    weight[gpu] = up[mine.name] / cost_free[mine.name]
+    rho[gpu] = figures[gpu].rho_free
+    fair_rho_unthrottled = _weighted(rho, weight, figures[gpu].rho_free)
+    return _View(share, capacity_share, slow, busy_peer, fair_rho, fair_rho_unthrottled)
 
 
-def _classify(
-    v: dict[str, float],
-    all_rho: list[float],
-    share: float,
-    capacity_share: float,
-    slow: bool,
-    busy_peer: bool,
-    policy: str,
-) -> tuple[str, str]:
-    rho = v["rho"]
-    if rho >= OVERLOADED_RHO or v["memory"] or v["interference"]:
-        if v["memory"]:
+def _weighted(values: dict[int, float], weights: dict[int, float], default: float) -> float:
+    total = sum(weights.values())
+    return sum(weights[k] * values[k] for k in values) / total if total else default
+
+
+def _classify(v: _Figures, view: _View, policy: str) -> tuple[str, str]:
+    """State and cause, in the order of lab/scenarios/README.md, "Decision, in this order"."""
+    rho = v.rho
+    if rho >= OVERLOADED_RHO or v.memory or v.interference:
+        if v.memory:
             return "overloaded", "memory_pressure"
-        if v["clock"] <= THROTTLED_CLOCK and v["rho_free"] < OVERLOADED_RHO:
+        # at full clock, would it cope? A capacity-aware router would send it more work then
+        free = view.fair_rho_unthrottled if policy in CAPACITY_AWARE else v.rho_free
+        if v.clock <= THROTTLED_CLOCK and free < OVERLOADED_RHO:
             return "overloaded", "throttling"
-        if v["interference"] and rho < OVERLOADED_RHO:
+        if v.interference and rho < OVERLOADED_RHO:
             return "overloaded", "class_interference"
-        if all(r >= OVERLOADED_RHO for r in all_rho):
+        if view.fair_rho >= OVERLOADED_RHO:
+            # no GPU that could take the work has room for it: moving work cannot help
             return "overloaded", "capacity_shortage"
-        if slow and policy not in CAPACITY_AWARE:
+        if view.slow and policy not in CAPACITY_AWARE:
             return "overloaded", "slow_card"
-        if v["interference"]:
+        if v.interference:
             return "overloaded", "class_interference"
         return "overloaded", "routing_skew"
     if rho < STARVED_RHO:
-        if v["down"] >= DOWN_SHARE:
+        # down most of the window, or up all of it the GPU would not have starved
+        if v.down >= DOWN_SHARE or (v.down > 0 and v.rho / (1 - v.down) >= STARVED_RHO):
             return "starved", "worker_crash"
-        if v["cpu"]:
+        if v.cpu_limited:
             return "starved", "host_bound"
-        if v["io"]:
+        if v.io_limited:
             return "starved", "io_bound"
-        if v["batch_idle"] >= BATCH_IDLE_SHARE:
+        if v.batch_idle >= BATCH_IDLE_SHARE:
             return "starved", "batch_delay"
-        if busy_peer:
+        if view.busy_peer and view.fair_rho >= STARVED_RHO:
+            # the work exists, went to a peer, and a split by capacity would feed this GPU
             return "starved", "routing_skew"
         return "starved", "low_demand"
     return "balanced", "none"

@@ -1,12 +1,14 @@
-"""Test helpers: parse an exposition, drive an exporter process. Importable from any test
-(pytest puts tests/ on sys.path)."""
+"""Test helpers: parse an exposition, drive an exporter process, run the live lab with its
+exporter. Importable from any test (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +19,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpubalance.lab import traffic
 from gpubalance.lab.fakenvml import write_state
+from gpubalance.lab.live.run import LiveLab
+from gpubalance.lab.scenario import Plan, Scenario, plan
 
 LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
@@ -122,3 +127,61 @@ class RunningExporter:
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+
+def run_live(
+    data: dict[str, Any] | Plan,
+    fakenvml_dir: Path,
+    probe: Callable[[LiveLab], Any],
+    probe_after: float,
+    window: float = 4.0,
+    duration: float | None = None,
+) -> tuple[LiveLab, list[Any], Any]:
+    """Run the live lab in a thread; call ``probe(lab)`` ``probe_after`` s into the run."""
+    the_plan = data if isinstance(data, Plan) else plan(Scenario.model_validate(data))
+    duration = duration or the_plan.scenario.duration_seconds
+    requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
+    ready = threading.Event()
+    lab = LiveLab(
+        the_plan,
+        requests,
+        duration,
+        start_exporter=True,
+        exporter_args=(
+            "--interval",
+            "0.5",
+            "--window",
+            str(window),
+            "--trend-window",
+            str(2 * window),
+        ),
+        build_dir=fakenvml_dir,
+        on_ready=lambda _: ready.set(),
+    )
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["records"], _ = asyncio.run(lab.run())
+        except BaseException as exc:  # handed to the test below
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    probed = None
+    try:
+        assert ready.wait(90), "the live lab did not start"
+        time.sleep(probe_after)
+        probed = probe(lab)
+    finally:
+        thread.join(180)
+    if "error" in result:
+        raise result["error"]
+    sent = [r for r in requests if r.arrival_seconds < duration]
+    return lab, sent, (result["records"], probed)
+
+
+def scrape(lab: LiveLab) -> Metrics:
+    assert lab.exporter is not None
+    with urllib.request.urlopen(lab.exporter.url + "/metrics", timeout=10) as resp:
+        return Metrics.parse(resp.read().decode())

@@ -1,9 +1,19 @@
-"""GPU collector: one GpuSample per GPU from NVML, through the probe-once session."""
+"""GPU collector: one GpuSample per GPU from NVML, through the probe-once session.
+
+Each GPU is read by a worker thread of its own, against a deadline per sample: a card falling
+off the bus can hold an NVML call for seconds, and it must cost its own reading, not every
+GPU's. A GPU that misses the deadline is served as stale, naming the call it is stuck in; its
+worker gets no second read while the first is still running, so a stuck driver call never
+piles up threads (one worker per GPU, for the life of the collector).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pynvml
@@ -69,29 +79,149 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
+class _Worker:
+    """The one thread that reads one GPU: a read at a time, handed over by the sampler."""
+
+    def __init__(self, name: str, read: Callable[[Device], GpuSample]) -> None:
+        self._read = read
+        self._jobs: queue.SimpleQueue[Device | None] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._done.set()
+        self._result: GpuSample | BaseException | None = None
+        self.device: Device | None = None  # the GPU of the read in flight, or the last one
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return not self._done.is_set()
+
+    def submit(self, device: Device) -> None:
+        self.device, self._result = device, None
+        device.current_call = None
+        self._done.clear()
+        self._jobs.put(device)
+
+    def wait(self, timeout: float) -> GpuSample | BaseException | None:
+        """The read's result, or None when it is still running after ``timeout`` seconds."""
+        return self._result if self._done.wait(max(timeout, 0.0)) else None
+
+    def close(self) -> None:
+        self._jobs.put(None)  # a worker stuck in a call exits once the call returns
+
+    def _run(self) -> None:
+        while (device := self._jobs.get()) is not None:
+            try:
+                result: GpuSample | BaseException = self._read(device)
+            except Exception as exc:  # NvmlGone, or a bug: the sampler thread re-raises it
+                result = exc
+            self._result = result
+            self._done.set()  # after the result: Event.set() publishes it to the waiter
+
+
 class GpuCollector:
     name = "gpu"
 
-    def __init__(self, session: NvmlSession) -> None:
+    def __init__(self, session: NvmlSession, deadline_seconds: float = 0.5) -> None:
         self.session = session
+        self.deadline_seconds = deadline_seconds
+        self._workers: dict[str, _Worker] = {}
+        self._stale_since: dict[str, float] = {}  # uuid -> monotonic time it went stale
 
     def update(self, parts: SampleParts) -> None:
         session = self.session
         if not session.ensure():
-            parts.nvml = session.snapshot_status()
+            self._unreachable(parts)
             raise RuntimeError(f"NVML unavailable: {session.status.error}")
         try:
             session.check_topology()
             self._drain_xid_events()
-            parts.gpus = tuple(self.read(device) for device in session.devices)
+            parts.gpus = self._read_all(session.devices)
         except NvmlGone as exc:
             session.lose_session(exc)
-            parts.nvml = session.snapshot_status()
+            self._unreachable(parts)
             raise RuntimeError(f"NVML stopped answering: {exc}") from None
         parts.nvml = session.snapshot_status()
 
     def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
         self.session.shutdown()
+
+    def _unreachable(self, parts: SampleParts) -> None:
+        # NVML is down: the GPUs known before are still there as far as anyone knows, and
+        # their series say lost and stale rather than vanish.
+        parts.nvml = self.session.snapshot_status()
+        parts.gpus = tuple(
+            _stale_sample(device, "nvmlInit", lost=True) for device in self.session.devices
+        )
+
+    # -- every GPU against one deadline ---------------------------------------------------
+
+    def _read_all(self, devices: Sequence[Device]) -> tuple[GpuSample, ...]:
+        deadline = time.monotonic() + self.deadline_seconds
+        submitted: set[str] = set()
+        for device in devices:
+            if device.lost:
+                continue
+            worker = self._workers.get(device.uuid)
+            if worker is None:
+                worker = self._workers[device.uuid] = _Worker(
+                    f"gpubalance-gpu{device.index}", self.read
+                )
+            if not worker.busy:  # busy: still inside an earlier read, which gets no company
+                worker.submit(device)
+                submitted.add(device.uuid)
+        gpus = []
+        for device in devices:
+            if device.lost:
+                gpus.append(self._lost(device))
+                continue
+            worker = self._workers[device.uuid]
+            result = None
+            if device.uuid in submitted:
+                result = worker.wait(deadline - time.monotonic())
+            if isinstance(result, BaseException):
+                raise result
+            if result is None:
+                stuck_in = worker.device.current_call if worker.device is not None else None
+                self._went_stale(device, stuck_in)
+                gpus.append(_stale_sample(device, stuck_in))
+            else:
+                self._answered(device)
+                gpus.append(result)
+        self._retire_workers({d.uuid for d in devices})
+        return tuple(gpus)
+
+    def _went_stale(self, device: Device, call: str | None) -> None:
+        if device.uuid in self._stale_since:
+            return
+        self._stale_since[device.uuid] = time.monotonic()
+        log.warning(
+            "GPU %d (%s): no NVML reading within the %.2f s deadline, stuck in %s; served as "
+            "stale, without readings, until it answers in time",
+            device.index,
+            device.uuid,
+            self.deadline_seconds,
+            call or "the worker thread, before any call",
+        )
+
+    def _answered(self, device: Device) -> None:
+        since = self._stale_since.pop(device.uuid, None)
+        if since is not None:
+            log.info(
+                "GPU %d (%s) recovered: NVML answered within the deadline after %.1f s stale",
+                device.index,
+                device.uuid,
+                time.monotonic() - since,
+            )
+
+    def _retire_workers(self, present: set[str]) -> None:
+        # Only an idle worker goes: a stuck one stays counted for its UUID, so the GPU coming
+        # back under it never gets a second thread.
+        for uuid in [u for u, w in self._workers.items() if u not in present and not w.busy]:
+            self._workers.pop(uuid).close()
 
     # -- one GPU ---------------------------------------------------------------------------
 
@@ -312,9 +442,9 @@ class GpuCollector:
             if code in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
                 device.capabilities[cap] = Support.UNSUPPORTED
             else:
-                self.session.errors_total[
-                    (f"nvmlDeviceGetFieldValues[{cap}]", error_name(pynvml.NVMLError(code)))
-                ] += 1
+                self.session.count_error(
+                    f"nvmlDeviceGetFieldValues[{cap}]", error_name(pynvml.NVMLError(code))
+                )
         return result
 
     def _processes(self, device: Device) -> tuple[GpuProcess, ...]:
@@ -371,14 +501,14 @@ class GpuCollector:
                 data = pynvml.nvmlEventSetWait_v2(session.event_set, 0)
             except pynvml.NVMLError as exc:
                 if exc.value != pynvml.NVML_ERROR_TIMEOUT:
-                    session.errors_total[("nvmlEventSetWait_v2", error_name(exc))] += 1
+                    session.count_error("nvmlEventSetWait_v2", error_name(exc))
                 return
             if not data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                 continue
             try:
                 uuid = pynvml.nvmlDeviceGetUUID(data.device)
             except pynvml.NVMLError as exc:
-                session.errors_total[("nvmlDeviceGetUUID", error_name(exc))] += 1
+                session.count_error("nvmlDeviceGetUUID", error_name(exc))
                 continue
             device = by_uuid.get(uuid.decode() if isinstance(uuid, bytes) else uuid)
             if device is not None:
@@ -388,8 +518,25 @@ class GpuCollector:
                 log.warning("GPU %d (%s): XID %d", device.index, device.uuid, xid)
 
 
+def _stale_sample(device: Device, call: str | None, lost: bool = False) -> GpuSample:
+    """A GPU without a fresh reading: its identity and flags, no measurement."""
+    return GpuSample(
+        index=device.index,
+        uuid=device.uuid,
+        name=device.name,
+        pci_bus_id=device.pci_bus_id,
+        lost=lost,
+        stale=True,
+        stale_call=call,
+        supported=device.supported(),
+    )
+
+
 @register("gpu", order=10, help="GPUs through NVML (pynvml)")
 def create(config: ExporterConfig) -> GpuCollector:
-    return GpuCollector(
-        NvmlSession(library_path=config.nvml_library, retry_max_seconds=config.nvml_retry_max)
+    session = NvmlSession(
+        library_path=config.nvml_library,
+        retry_max_seconds=config.nvml_retry_max,
+        lost_recheck_seconds=config.nvml_lost_recheck,
     )
+    return GpuCollector(session, deadline_seconds=min(config.nvml_deadline, config.interval))

@@ -75,7 +75,7 @@ class HostCollector:
         stat = self._read("stat")
         if stat is None:
             raise NoDataError(
-                f"{self.procfs}/stat not found: set procfs (--path.procfs) to a mounted procfs,"
+                f"{self.procfs}/stat not found: set procfs (--procfs) to a mounted procfs,"
                 " e.g. the host's /proc mounted at /host/proc"
             )
         memory = self._meminfo()

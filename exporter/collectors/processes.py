@@ -118,7 +118,7 @@ class ProcessCollector:
         except FileNotFoundError:
             pass
         raise NoDataError(
-            f"no btime in {path}: set procfs (--path.procfs) to a mounted procfs,"
+            f"no btime in {path}: set procfs (--procfs) to a mounted procfs,"
             " e.g. the host's /proc mounted at /host/proc"
         )
 

@@ -40,6 +40,14 @@ def _add_gpu(out: Exposition, gpu: GpuSample, win: GpuWindow | None, driver: str
         },
     )
     out.add("gpubalance_gpu_lost", G, "1 when NVML reports the GPU lost or gone.", gpu.lost, ids)
+    out.add(
+        "gpubalance_gpu_sample_stale",
+        G,
+        "1 when the GPU gave no reading within the sample deadline (call: the NVML function "
+        "it is stuck in) or NVML is down (call: nvmlInit); its readings are then absent.",
+        gpu.stale,
+        {**ids, "call": gpu.stale_call or ""} if gpu.stale else ids,
+    )
     for capability, supported in sorted(gpu.supported.items()):
         out.add(
             "gpubalance_gpu_capability_supported",
@@ -48,7 +56,7 @@ def _add_gpu(out: Exposition, gpu: GpuSample, win: GpuWindow | None, driver: str
             supported,
             {**ids, "capability": capability},
         )
-    if gpu.lost:
+    if gpu.lost or gpu.stale:
         return
     if win is not None:
         out.add(
@@ -61,14 +69,14 @@ def _add_gpu(out: Exposition, gpu: GpuSample, win: GpuWindow | None, driver: str
         out.add(
             "gpubalance_gpu_memory_used_slope_bytes_per_second",
             G,
-            "Trend of GPU memory used: least-squares slope over the trend window.",
+            "Trend of GPU memory used: Theil-Sen slope over the trend window; absent until known.",
             win.memory_used_slope_bytes_per_second,
             ids,
         )
         out.add(
             "gpubalance_gpu_memory_time_to_full_seconds",
             G,
-            "Seconds until GPU memory is full at the current trend; absent when not growing.",
+            "Seconds until GPU memory is full at the current trend; absent unless it truly grows.",
             win.memory_time_to_full_seconds,
             ids,
         )

@@ -258,6 +258,7 @@ class LiveLab:
     def _start_exporter(self, library_dir: Path) -> Exporter:
         port = self.exporter_port
         log_path = self.run_dir / "exporter.log"
+        self.procfs.mkdir(exist_ok=True)  # --procfs must exist at start; its files follow
         env = {
             **os.environ,
             "LD_LIBRARY_PATH": str(library_dir),
@@ -331,6 +332,9 @@ class LiveLab:
             running=data["running"],
             in_flight=data["in_flight"],
             kv_used_bytes=data["kv_used_bytes"],
+            # what the worker's allocator holds is what its GPU shows as used (a new process
+            # after a crash reserves afresh: nothing carries over)
+            kv_reserved_bytes=data["kv_reserved_bytes"],
             cpu_seconds=data["cpu_seconds"],
             read_bytes=data["read_bytes"],
             batches=int(total("batches", "batches")),

@@ -180,3 +180,16 @@ def test_a_closed_pipe_ends_quietly() -> None:
     finally:
         os.close(write_end)
     assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_the_memory_trend_rule_is_configured(tmp_path: Path) -> None:
+    from gpubalance.exporter.window import TrendRule
+
+    path = write(tmp_path, "exporter:\n  trend_min_points: 20\n  trend_min_span: 0.8\n")
+    config = load_section(ExporterConfig, path, "exporter")
+    assert config.trend_rule == TrendRule(min_points=20, min_span_ratio=0.8)
+    assert load_section(ExporterConfig, None, "exporter").trend_rule == TrendRule()
+    with pytest.raises(ConfigError, match=r"exporter\.trend_min_span: Input should be less than"):
+        load_section(
+            ExporterConfig, write(tmp_path, "exporter:\n  trend_min_span: 2\n"), "exporter"
+        )

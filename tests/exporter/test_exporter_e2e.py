@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+from itertools import pairwise
 from pathlib import Path
 
 import jsonschema
+from harness import Metrics
 from pytest import approx
 
-from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library
+from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
 
 MIB = 1024 * 1024
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,9 +261,11 @@ def test_nvml_init_failure_keeps_host_metrics_and_recovers(start_exporter, tmp_p
     last_success = "gpubalance_exporter_collector_last_success_timestamp_seconds"
     assert not metrics.has(last_success, collector="gpu")  # never succeeded yet
     assert metrics.value(last_success, collector="host") > 0
-    health = json.loads(exporter.get("/healthz")[1])
-    assert health["status"] == "ok" and health["nvml_up"] is False
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded" and health["nvml_up"] is False
     assert "DRIVER_NOT_LOADED" in health["nvml_error"]
+    assert health["problems"] == [f"NVML down: {health['nvml_error']}"]
     del state["err.nvmlInitWithFlags"]
     exporter.write(state)
     metrics = exporter.wait_for(lambda m: m.value("gpubalance_nvml_up") == 1)
@@ -399,3 +404,173 @@ def test_snapshot_follows_the_documented_schema(start_exporter) -> None:
     gpu = snapshot["sample"]["gpus"][1]
     assert gpu["temperature_celsius"] == 45
     assert snapshot["window"]["gpus"][1]["utilization_ratio"] == approx(0.21)
+
+
+def _threads(exporter) -> int:
+    return len(os.listdir(f"/proc/{exporter.process.pid}/task"))
+
+
+def test_slow_gpu_is_stale_and_the_others_keep_their_cadence(start_exporter) -> None:
+    state = full_state(gpus=4)
+    exporter = start_exporter(state, "--interval", "1", "--window", "3", "--trend-window", "10")
+    uuid = state["gpu2.uuid"]
+    # A card falling off the bus: every NVML call on it takes 1.5 s, a whole read ~40 s.
+    state["gpu2.delay_us"] = 1_500_000
+    exporter.write(state)
+    metrics = exporter.wait_for(lambda m: m.value("gpubalance_gpu_sample_stale", gpu="2") == 1)
+    [(labels, value)] = metrics.find("gpubalance_gpu_sample_stale", gpu="2")
+    assert value == 1 and labels["call"].startswith("nvmlDevice"), labels
+    assert not metrics.has("gpubalance_gpu_temperature_celsius", gpu="2")
+    assert metrics.value("gpubalance_gpu_lost", gpu="2") == 0
+    threads = _threads(exporter)
+    first = metrics.value("gpubalance_exporter_samples_total")
+
+    # The others keep their 1 s cadence and their changes arrive while GPU 2 is stuck.
+    state["gpu0.temp.gpu"] = 88
+    exporter.write(state)
+    metrics = exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_temperature_celsius", gpu="0") == 88
+            and m.value("gpubalance_exporter_samples_total") >= first + 4
+        ),
+        timeout=8,
+    )
+    snapshot = json.loads(exporter.get("/api/v1/snapshot?history=3")[1])
+    samples = [*snapshot["history"], snapshot["sample"]]
+    stamps = [s["timestamp_seconds"] for s in samples]
+    assert all(0.5 < b - a < 1.5 for a, b in pairwise(stamps)), stamps
+    for s in samples:
+        gpus = s["gpus"]
+        assert gpus[2]["stale"] and gpus[2]["temperature_celsius"] is None
+        assert gpus[2]["stale_call"].startswith("nvmlDevice")
+        assert all(not g["stale"] and g["temperature_celsius"] for g in gpus if g["index"] != 2)
+    assert metrics.value("gpubalance_exporter_sample_overruns_total") == 0
+    assert metrics.value("gpubalance_gpu_sample_stale", gpu="0") == 0
+    assert _threads(exporter) == threads, "a stuck GPU must not cost a thread per sample"
+    health = json.loads(exporter.get("/healthz")[1])
+    assert health["status"] == "degraded" and health["gpus_stale"] == [2]
+    assert f"GPU 2 ({uuid}) stale: stuck in nvmlDevice" in health["problems"][0]
+    log = exporter.log()
+    assert f"GPU 2 ({uuid}): no NVML reading within the 0.50 s deadline, stuck in nvmlDevice" in log
+
+    # The card answers in time again: its readings come back and the log says so.
+    del state["gpu2.delay_us"]
+    exporter.write(state)
+    metrics = exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_sample_stale", gpu="2") == 0
+            and m.has("gpubalance_gpu_temperature_celsius", gpu="2")
+        )
+    )
+    assert f"GPU 2 ({uuid}) recovered: NVML answered within the deadline" in exporter.log()
+    assert json.loads(exporter.get("/healthz")[1])["status"] == "ok"
+
+
+def test_nvml_down_keeps_the_known_gpus_as_lost_and_stale(start_exporter, tmp_path) -> None:
+    config = tmp_path / "gpubalance.yaml"
+    config.write_text("exporter:\n  nvml_retry_max: 0.5\n")
+    state = full_state(gpus=2)
+    exporter = start_exporter(state, "--config", str(config))
+    state["err.nvmlDeviceGetCount_v2"] = "UNINITIALIZED"
+    exporter.write(state)
+    metrics = exporter.wait_for(lambda m: m.value("gpubalance_nvml_up") == 0)
+    for gpu in ("0", "1"):
+        assert metrics.value("gpubalance_gpu_lost", gpu=gpu) == 1
+        assert metrics.value("gpubalance_gpu_sample_stale", gpu=gpu, call="nvmlInit") == 1
+        assert metrics.has("gpubalance_gpu_info", gpu=gpu, uuid=state[f"gpu{gpu}.uuid"])
+        assert not metrics.has("gpubalance_gpu_temperature_celsius", gpu=gpu)
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded"
+    assert health["problems"][0].startswith("NVML down: ")
+    assert health["gpus_lost"] == [0, 1]
+    del state["err.nvmlDeviceGetCount_v2"]
+    exporter.write(state)
+    exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_lost", gpu="1") == 0
+            and m.value("gpubalance_gpu_sample_stale", gpu="1") == 0
+            and m.has("gpubalance_gpu_temperature_celsius", gpu="1")
+        )
+    )
+    assert f"GPU 1 ({state['gpu1.uuid']}) recovered" in exporter.log()
+
+
+def test_lost_gpu_recheck_is_configured_and_recovery_logged(start_exporter, tmp_path) -> None:
+    config = tmp_path / "gpubalance.yaml"
+    config.write_text("exporter:\n  nvml_lost_recheck: 0.5\n")
+    state = full_state(gpus=3)
+    exporter = start_exporter(state, "--config", str(config))
+    uuid = state["gpu1.uuid"]
+    state["gpu1.lost"] = 1
+    exporter.write(state)
+    exporter.wait_for(lambda m: m.value("gpubalance_gpu_lost", gpu="1") == 1)
+    status, body = exporter.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "degraded"
+    assert health["problems"] == [f"GPU 1 ({uuid}) lost"] and health["gpus_lost"] == [1]
+    del state["gpu1.lost"]
+    exporter.write(state)
+    exporter.wait_for(
+        lambda m: (
+            m.value("gpubalance_gpu_lost", gpu="1") == 0
+            and m.value("gpubalance_gpu_temperature_celsius", gpu="1") == 45
+        )
+    )
+    assert f"GPU 1 ({uuid}) recovered: NVML answers for it again" in exporter.log()
+    health = json.loads(exporter.get("/healthz")[1])
+    assert health["status"] == "ok" and health["problems"] == []
+
+
+def _exporter_once(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubalance", "exporter", "--once", "--log-level", "error", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _libc_path() -> str:
+    """The C library this Python runs on, by absolute path: a real library, but not NVML."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libc.so"):
+                return path
+    raise AssertionError("no libc.so in /proc/self/maps")
+
+
+def test_bad_paths_are_refused_at_start(fakenvml_env, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    write_state(state, full_state(gpus=1))
+    env = fakenvml_env(state)
+    missing = str(tmp_path / "nonexistent")
+    libc = _libc_path()
+    for flags, message in (
+        (("--procfs", missing), f"--procfs {missing} does not exist"),
+        (("--procfs", str(state)), f"--procfs {state} is not a directory"),
+        (("--nvml-library", missing), f"--nvml-library: {missing} does not exist"),
+        (("--nvml-library", libc), f"--nvml-library: {libc} is not an NVML library"),
+    ):
+        result = _exporter_once(env, *flags)
+        assert result.returncode == 2, (flags, result.stderr)
+        assert result.stderr.startswith(f"gpubalance exporter: {message}"), result.stderr
+        assert result.stdout == ""
+    # The procfs check belongs to the collectors that read it.
+    result = _exporter_once(
+        env, "--procfs", missing, "--no-collector.host", "--no-collector.processes"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_once_fails_when_nvml_does_not_come_up(fakenvml_env, tmp_path: Path) -> None:
+    result = _exporter_once(fakenvml_env(tmp_path / "none"))  # no driver
+    assert result.returncode == 1
+    assert "NVML did not come up: DRIVER_NOT_LOADED" in result.stderr
+    metrics = Metrics.parse(result.stdout)  # the host part is still printed
+    assert metrics.value("gpubalance_nvml_up") == 0
+    assert metrics.has("gpubalance_host_cpu_seconds_total")
+    result = _exporter_once(fakenvml_env(tmp_path / "none"), "--no-collector.gpu")
+    assert result.returncode == 0, result.stderr

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,48 @@ def test_processes_without_utilization_samples_read_zero(nvml, collector) -> Non
     assert processes[100].sm_utilization_ratio == pytest.approx(0.4)
     assert processes[200].sm_utilization_ratio == 0.0  # NOT_FOUND for it means no samples
     assert processes[200].gpu_memory_used_bytes == 2097152
+
+
+def test_stuck_gpu_is_stale_and_gets_no_second_worker(nvml) -> None:
+    collector = GpuCollector(NvmlSession(), deadline_seconds=0.05)
+    try:
+        nvml.write({"device_count": 4})
+        sample(collector)  # enumerated and probed while every GPU is fast
+        nvml.write({"device_count": 4, "gpu1.delay_us": 400_000})
+        nvml.lib.fakeNvmlResetCallCounts()
+        for _ in range(6):
+            gpus = sample(collector).gpus
+        workers = [t for t in threading.enumerate() if t.name.startswith("gpubalance-gpu")]
+        assert len(workers) == 4  # one per GPU, however many samples GPU 1 stays stuck
+        # 3 fast GPUs x 6 samples, and GPU 1 still inside the one read it was given
+        assert calls(nvml.lib, "nvmlDeviceGetPowerUsage") <= 3 * 6 + 1
+        assert gpus[1].stale and gpus[1].stale_call.startswith("nvmlDevice")
+        assert gpus[1].temperature_celsius is None and not gpus[1].lost
+        assert all(not g.stale and g.temperature_celsius == 35 for g in gpus if g.index != 1)
+
+        nvml.write({"device_count": 4})
+        for _ in range(100):  # the stuck call returns within its delay; bounded either way
+            gpus = sample(collector).gpus
+            if not gpus[1].stale:
+                break
+            time.sleep(0.05)
+        assert not gpus[1].stale and gpus[1].temperature_celsius == 35
+    finally:
+        collector.close()
+
+
+def test_gpu_lost_before_its_uuid_was_known_recovers_under_its_uuid(nvml) -> None:
+    collector = GpuCollector(NvmlSession(lost_recheck_seconds=0.0))
+    try:
+        nvml.write({"device_count": 3, "gpu1.lost": 1})
+        gpus = sample(collector).gpus
+        assert [(g.uuid, g.lost) for g in gpus][1] == ("GPU-unknown-1", True)
+        nvml.write({"device_count": 3})
+        gpus = sample(collector).gpus
+        assert len(gpus) == 3  # no lost placeholder left behind
+        assert not gpus[1].lost and gpus[1].uuid.startswith("GPU-") and gpus[1].power_watts
+    finally:
+        collector.close()
 
 
 def test_exporter_uses_nothing_but_nvml_symbols(fakenvml_env, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -25,7 +26,11 @@ def test_demo_shows_four_gpus_with_moving_values(fakenvml_dir, tmp_path) -> None
         timeout=120,
         cwd=tmp_path,
     )
+    kept = re.search(r"remove them with: rm -r (\S+)", result.stdout)
+    if kept:
+        shutil.rmtree(kept.group(1), ignore_errors=True)  # the demo keeps what it names
     assert result.returncode == 0, result.stderr
+    assert kept, "the demo names the run directory it keeps"
     rows = re.findall(
         r"│ (\d)\s+│ (RTX \d{4})\s+│[^│]*│[^│]*│[^│]*│[^│]*│ (\d+)/\d+ W", result.stdout
     )

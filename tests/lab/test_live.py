@@ -3,24 +3,18 @@ that reads the lab through the fake NVML driver and the lab's procfs tree."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import statistics
-import threading
-import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Metrics
+from harness import Metrics, run_live, scrape
 
-from gpubalance.lab import traffic
 from gpubalance.lab.live.run import LiveLab
-from gpubalance.lab.scenario import Plan, Scenario, plan
 
 pytestmark = pytest.mark.skipif(
     shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
@@ -49,64 +43,6 @@ def scenario(**changes: Any) -> dict[str, Any]:
     }
     base.update(changes)
     return base
-
-
-def run_live(
-    data: dict[str, Any] | Plan,
-    fakenvml_dir: Path,
-    probe: Callable[[LiveLab], Any],
-    probe_after: float,
-    window: float = 4.0,
-    duration: float | None = None,
-) -> tuple[LiveLab, list[Any], Any]:
-    """Run the live lab in a thread; call ``probe(lab)`` ``probe_after`` s into the run."""
-    the_plan = data if isinstance(data, Plan) else plan(Scenario.model_validate(data))
-    duration = duration or the_plan.scenario.duration_seconds
-    requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
-    ready = threading.Event()
-    lab = LiveLab(
-        the_plan,
-        requests,
-        duration,
-        start_exporter=True,
-        exporter_args=(
-            "--interval",
-            "0.5",
-            "--window",
-            str(window),
-            "--trend-window",
-            str(2 * window),
-        ),
-        build_dir=fakenvml_dir,
-        on_ready=lambda _: ready.set(),
-    )
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["records"], _ = asyncio.run(lab.run())
-        except BaseException as exc:  # handed to the test below
-            result["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    probed = None
-    try:
-        assert ready.wait(90), "the live lab did not start"
-        time.sleep(probe_after)
-        probed = probe(lab)
-    finally:
-        thread.join(180)
-    if "error" in result:
-        raise result["error"]
-    sent = [r for r in requests if r.arrival_seconds < duration]
-    return lab, sent, (result["records"], probed)
-
-
-def scrape(lab: LiveLab) -> Metrics:
-    assert lab.exporter is not None
-    with urllib.request.urlopen(lab.exporter.url + "/metrics", timeout=10) as resp:
-        return Metrics.parse(resp.read().decode())
 
 
 def test_exporter_sees_the_live_lab_and_no_request_is_lost(fakenvml_dir: Path) -> None:

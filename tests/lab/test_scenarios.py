@@ -281,6 +281,23 @@ BAD = {
         14,
         "workers.1.name: worker name 'a' is already taken by workers entry 0",
     ),
+    "event at the end": (
+        (
+            "    output_tokens: {kind: fixed, value: 10}\n",
+            "    output_tokens: {kind: fixed, value: 10}\n"
+            "events:\n  - at: 600\n    disk: {disk_mb_per_second: 100}\n",
+        ),
+        21,
+        "events.0.at: at 600 s must be earlier than the end (600 s, duration_seconds)",
+    ),
+    "negative seed": (
+        (
+            'description: "a scenario with one mistake"\n',
+            'description: "a scenario with one mistake"\nseed: -1\n',
+        ),
+        3,
+        "seed: Input should be greater than or equal to 0 (got -1)",
+    ),
     "pool without workers": (
         ("  policy: round_robin\n", "  policy: round_robin\n  pools:\n    batch: jobs\n"),
         15,
@@ -323,6 +340,80 @@ def test_cli_rejects_bad_scenario_with_exit_2_and_one_line(
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
+# -- valid scenarios that will go wrong: warnings ----------------------------------------------
+
+
+def warnings_of(
+    tmp_path: Path, old: str, new: str, duration: float | None = None
+) -> tuple[Path, list[str], int]:
+    """The warnings of GOOD with one change, and the line the change starts on."""
+    assert GOOD.count(old) == 1
+    text = GOOD.replace(old, new)
+    path = tmp_path / "warns.yaml"
+    path.write_text(text)
+    line = text[: text.index(new) + len(old)].count("\n") + 1
+    return path, scenario.load(str(path)).warnings(duration), line
+
+
+def test_a_good_scenario_has_no_warnings(tmp_path: Path) -> None:
+    path = tmp_path / "good.yaml"
+    path.write_text(GOOD)
+    assert scenario.load(str(path)).warnings() == []
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_scenarios_have_no_warnings(name: str) -> None:
+    assert scenario.load(name).warnings() == []
+
+
+def test_a_kv_region_smaller_than_one_mean_request_warns_and_fails_requests_with_oom(
+    tmp_path: Path,
+) -> None:
+    # 110 tokens x 128 KiB of KV per request: 14 MiB, against a region of 10 MiB
+    path, warnings, line = warnings_of(
+        tmp_path, "    model: small\n", "    model: small\n    kv_cache_gib: 0.01\n"
+    )
+    assert warnings == [
+        f"{path}:{line}: workers.0.kv_cache_gib: worker w0's KV region (10 MiB) is smaller than "
+        "the mean request of pool 'default' (14 MiB of KV cache): most of its requests will "
+        "fail with oom"
+    ]
+    # what the warning is about
+    plan = scenario.load(str(path))
+    lab_run.run(plan, "fast", 60.0, 1, tmp_path / "out")
+    outcomes = Counter(r["outcome"] for r in read_csv(tmp_path / "out" / "requests.csv"))
+    assert outcomes["oom"] >= 0.99 * sum(outcomes.values())
+
+
+def test_events_at_or_after_a_shorter_run_end_warn(tmp_path: Path) -> None:
+    old = "    output_tokens: {kind: fixed, value: 10}\n"
+    events = "events:\n  - at: 100\n    disk: {disk_mb_per_second: 100}\n"
+    path, warnings, line = warnings_of(tmp_path, old, old + events, duration=100.0)
+    assert warnings == [
+        f"{path}:{line + 1}: events.0.at: at 100 s, not earlier than the run's end (100 s): the "
+        "disk event falls after the run's arrivals, frames and truth"
+    ]
+    assert scenario.load(str(path)).warnings(100.5) == []
+    assert scenario.load(str(path)).warnings() == []  # the scenario's own 600 s
+
+
+def test_a_pool_offered_over_three_times_what_it_serves_warns(tmp_path: Path) -> None:
+    a, d = ServiceModel(CARDS["RTX 4090"], 3.21).request_cost_seconds(
+        8, np.array([100]), np.array([10])
+    )
+    capacity = 1 / float(a[0] + d[0])
+    for ratio, warns in ((3.2, True), (2.8, False)):
+        rate = f"rate: {ratio * capacity:.3f}}}"
+        path, warnings, _ = warnings_of(tmp_path, "rate: 1}", rate)
+        if not warns:
+            assert warnings == []
+            continue
+        (warning,) = warnings
+        assert warning.startswith(f"{path}:14: traffic: pool 'default' is offered ")
+        assert f", {ratio:.1f}x the {capacity:.1f} its workers serve at full batches" in warning
+        assert warning.endswith("its queues will grow all run long")
+
+
 # -- the README is enough ----------------------------------------------------------------------
 
 
@@ -358,13 +449,14 @@ def test_scenario_written_from_the_readme_matches_the_readme_rules(tmp_path: Pat
         for gpu in (0, 1):
             assert float(evidence[key, gpu]["rho"]) == pytest.approx(rho_chat, rel=0.05)
         assert float(evidence[key, 2]["rho"]) == pytest.approx(rho_reports, rel=0.05)
-        # README, "Decision": the chat GPUs need more than the window while GPU 2 idles, so not
-        # every GPU is overloaded (no capacity shortage), and their peers are identical cards
-        # (no slow card): routing_skew. GPU 2 is alone in its pool (no busy peer), has no
-        # crash, no CPU or IO limit and no queue delay: low_demand.
+        # README, "Decision": the chat GPUs need more than the window. GPU 2 idles, but it
+        # serves another model, so the GPUs that could take chat work are the two chat GPUs,
+        # both overloaded: fair rho >= 0.85, capacity_shortage. GPU 2 is alone in its pool (no
+        # busy peer), has no crash, no CPU or IO limit and no queue delay: low_demand.
         if rho_chat >= 0.85 and rho_reports < 0.3:
             for gpu in (0, 1):
-                assert truth[key, gpu] == ("overloaded", "routing_skew")
+                assert float(evidence[key, gpu]["fair_rho"]) == pytest.approx(rho_chat, rel=0.05)
+                assert truth[key, gpu] == ("overloaded", "capacity_shortage")
             assert truth[key, 2] == ("starved", "low_demand")
             checked += 1
     assert checked >= 2

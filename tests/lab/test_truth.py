@@ -149,159 +149,407 @@ def test_windows_shorter_than_half_are_left_out() -> None:
 
 # -- the decision order -----------------------------------------------------------------------
 
-BASE: dict[str, float] = {
-    "rho": 0.5,
-    "rho_free": 0.5,
-    "clock": 1.0,
-    "cpu": False,
-    "io": False,
-    "memory": False,
-    "interference": False,
-    "batch_idle": 0.0,
-    "down": 0.0,
-}
+FIGURES = truth._Figures(
+    rho=0.5,
+    rho_free=0.5,
+    clock=1.0,
+    cpu_limited=False,
+    io_limited=False,
+    memory=False,
+    memory_ratio=0.0,
+    batch_idle=0.0,
+    interference=False,
+    down=0.0,
+)
+VIEW = truth._View(
+    share=0.5,
+    capacity_share=0.5,
+    slow=False,
+    busy_peer=False,
+    fair_rho=0.5,
+    fair_rho_unthrottled=0.5,
+)
 
 
 @pytest.mark.parametrize(
-    ("changes", "peers", "slow", "busy_peer", "policy", "expected"),
+    ("figures", "view", "policy", "expected"),
     [
-        ({}, [0.5], False, False, "round_robin", ("balanced", "none")),
+        ({}, {}, "round_robin", ("balanced", "none")),
         # overloaded: memory first, even below the load threshold
-        (
-            {"rho": 0.5, "memory": True, "clock": 0.5},
-            [0.5],
-            False,
-            False,
-            "round_robin",
-            ("overloaded", "memory_pressure"),
-        ),
+        ({"memory": True, "clock": 0.5}, {}, "round_robin", ("overloaded", "memory_pressure")),
         (
             {"rho": 0.95, "memory": True, "clock": 0.5, "rho_free": 0.6},
-            [0.95],
-            True,
-            False,
+            {"slow": True, "fair_rho": 0.95},
             "round_robin",
             ("overloaded", "memory_pressure"),
         ),
         # then a throttle that the card would cope without
         (
             {"rho": 0.95, "clock": 0.5, "rho_free": 0.6},
-            [0.95, 0.9],
-            True,
-            False,
+            {"slow": True, "fair_rho": 0.95},
             "round_robin",
             ("overloaded", "throttling"),
         ),
         # ... but a card overloaded even at full clocks is not throttling's fault
         (
             {"rho": 0.95, "clock": 0.5, "rho_free": 0.9},
-            [0.95, 0.2],
-            False,
-            False,
+            {"fair_rho": 0.6},
             "round_robin",
             ("overloaded", "routing_skew"),
+        ),
+        # a capacity-aware router gives the card more work at full clock: the fair split tells
+        (
+            {"rho": 0.9, "clock": 0.5, "rho_free": 0.6},
+            {"fair_rho": 0.9, "fair_rho_unthrottled": 0.8},
+            "least_connections",
+            ("overloaded", "throttling"),
+        ),
+        (
+            {"rho": 0.9, "clock": 0.5, "rho_free": 0.6},
+            {"fair_rho": 0.9, "fair_rho_unthrottled": 0.85},
+            "least_connections",
+            ("overloaded", "capacity_shortage"),
         ),
         # class interference overloads a card below the load threshold
         (
-            {"rho": 0.5, "interference": True},
-            [0.5, 0.95],
-            True,
-            False,
+            {"interference": True},
+            {"slow": True, "fair_rho": 0.95},
             "round_robin",
             ("overloaded", "class_interference"),
         ),
-        # every card overloaded: too little capacity, before blaming the slow card
+        # no GPU that could take the work has room: too little capacity, before the slow card
         (
             {"rho": 0.9},
-            [0.9, 0.86],
-            True,
-            False,
+            {"slow": True, "fair_rho": 0.85},
             "round_robin",
             ("overloaded", "capacity_shortage"),
         ),
-        ({"rho": 0.9}, [0.9, 0.5], True, False, "round_robin", ("overloaded", "slow_card")),
+        ({"rho": 0.9}, {"slow": True}, "round_robin", ("overloaded", "slow_card")),
         # a capacity-aware router should have spared the slow card: the routing is at fault
-        (
-            {"rho": 0.9},
-            [0.9, 0.5],
-            True,
-            False,
-            "least_connections",
-            ("overloaded", "routing_skew"),
-        ),
+        ({"rho": 0.9}, {"slow": True}, "least_connections", ("overloaded", "routing_skew")),
         (
             {"rho": 0.9, "interference": True},
-            [0.9, 0.5],
-            False,
-            False,
+            {},
             "round_robin",
             ("overloaded", "class_interference"),
         ),
-        ({"rho": 0.9}, [0.9, 0.5], False, False, "round_robin", ("overloaded", "routing_skew")),
+        ({"rho": 0.9}, {}, "round_robin", ("overloaded", "routing_skew")),
         # starved: a down worker first, then host, disk, batching, routing, demand
         (
-            {"rho": 0.1, "down": 0.5, "cpu": True, "io": True},
-            [0.1, 0.9],
-            False,
-            True,
+            {"rho": 0.1, "down": 0.5, "cpu_limited": True, "io_limited": True},
+            {"busy_peer": True},
             "round_robin",
             ("starved", "worker_crash"),
         ),
+        # down a third of the window, and fed while up (0.2 / (2/3) = 0.3)
+        ({"rho": 0.2, "down": 1 / 3}, {}, "round_robin", ("starved", "worker_crash")),
+        ({"rho": 0.1, "down": 1 / 3}, {}, "round_robin", ("starved", "low_demand")),
         (
-            {"rho": 0.1, "down": 0.4, "cpu": True, "io": True},
-            [0.1],
-            False,
-            True,
+            {"rho": 0.1, "down": 0.4, "cpu_limited": True, "io_limited": True},
+            {"busy_peer": True},
             "round_robin",
             ("starved", "host_bound"),
         ),
         (
-            {"rho": 0.1, "io": True, "batch_idle": 0.9},
-            [0.1],
-            False,
-            True,
+            {"rho": 0.1, "io_limited": True, "batch_idle": 0.9},
+            {"busy_peer": True},
             "round_robin",
             ("starved", "io_bound"),
         ),
         (
             {"rho": 0.1, "batch_idle": 0.5},
-            [0.1],
-            False,
-            True,
+            {"busy_peer": True},
             "round_robin",
             ("starved", "batch_delay"),
         ),
         (
             {"rho": 0.1, "batch_idle": 0.4},
-            [0.1],
-            False,
-            True,
+            {"busy_peer": True, "fair_rho": 0.3},
             "round_robin",
             ("starved", "routing_skew"),
         ),
-        ({"rho": 0.1}, [0.1], False, False, "round_robin", ("starved", "low_demand")),
+        # a busy peer, but a split by capacity would starve this GPU as well
+        (
+            {"rho": 0.1},
+            {"busy_peer": True, "fair_rho": 0.29},
+            "round_robin",
+            ("starved", "low_demand"),
+        ),
+        ({"rho": 0.1}, {"fair_rho": 0.5}, "round_robin", ("starved", "low_demand")),
         # the thresholds themselves
         (
             {"rho": truth.OVERLOADED_RHO},
-            [0.85, 0.1],
-            False,
-            False,
+            {"fair_rho": 0.84},
             "round_robin",
             ("overloaded", "routing_skew"),
         ),
-        ({"rho": truth.STARVED_RHO}, [0.3], False, False, "round_robin", ("balanced", "none")),
+        ({"rho": truth.STARVED_RHO}, {}, "round_robin", ("balanced", "none")),
     ],
 )
 def test_decision_order(
-    changes: dict[str, float],
-    peers: list[float],
-    slow: bool,
-    busy_peer: bool,
-    policy: str,
-    expected: tuple[str, str],
+    figures: dict[str, Any], view: dict[str, Any], policy: str, expected: tuple[str, str]
 ) -> None:
-    v = {**BASE, **changes}
-    assert truth._classify(v, peers, 0.5, 0.5, slow, busy_peer, policy) == expected
+    v = dataclasses.replace(FIGURES, **figures)
+    assert truth._classify(v, dataclasses.replace(VIEW, **view), policy) == expected
+
+
+# -- each rule in a run that trips it, and in one that must not -----------------------------------
+#
+# The rules of lab/scenarios/README.md, "Decision, in this order", one by one. A GPU overloaded at
+# its fair share of what the GPUs able to take its work can serve is short of capacity, not
+# skewed: work that cannot go elsewhere (a peer is crashed, host- or disk-bound, or serves
+# another model) says nothing against the router.
+
+HOT = 0.95 / cost()  # requests per second that keep one RTX 4090 at rho 0.95
+
+
+def worker(gpu: int, **keys: Any) -> dict[str, Any]:
+    return {"gpu": gpu, "model": "small", "max_batch_size": BATCH, **keys}
+
+
+def source(name: str, service_class: str, rate: float, prompt: int, output: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "class": service_class,
+        "arrivals": {"kind": "poisson", "rate": rate},
+        "prompt_tokens": {"kind": "fixed", "value": prompt},
+        "output_tokens": {"kind": "fixed", "value": output},
+    }
+
+
+def verdicts(rows: list[TruthRow], gpu: int) -> set[tuple[str, str]]:
+    return {(r.state, r.cause) for r in rows_of(rows, gpu)}
+
+
+def test_memory_pressure_needs_a_full_batch_near_the_kv_region_and_a_busy_worker() -> None:
+    # a full batch of 8 requests of 320 tokens x 128 KiB: 320 MiB of a 358 MiB region
+    busy, _ = ground_truth(spec(rate=20.0, worker={"kv_cache_gib": 0.35}))
+    assert all(r.memory_ratio >= truth.MEMORY_RATIO for r in busy)
+    assert all(r.rho < truth.OVERLOADED_RHO for r in busy)
+    assert verdicts(busy, 0) == {("overloaded", "memory_pressure")}
+    # the same region at half the traffic: batches that big rarely form
+    quiet, _ = ground_truth(spec(rate=10.0, worker={"kv_cache_gib": 0.35}))
+    assert all(r.memory_ratio >= truth.MEMORY_RATIO for r in quiet)
+    assert all(truth.STARVED_RHO <= r.rho < truth.MEMORY_BUSY_RHO for r in quiet)
+    assert verdicts(quiet, 0) == {("balanced", "none")}
+
+
+def test_a_throttled_card_overloaded_even_at_full_clock_is_not_throttling() -> None:
+    # (test_throttling_scales_prefill_by_r_and_decode_by_sqrt_r trips the rule)
+    data = spec(rate=1.1 * HOT, events=[{"at": 0.0, "throttle": {"gpu": 0, "clock_ratio": 0.8}}])
+    rows, _ = ground_truth(data)
+    assert all(r.clock_ratio == 0.8 and r.rho_unthrottled >= truth.OVERLOADED_RHO for r in rows)
+    assert verdicts(rows, 0) == {("overloaded", "capacity_shortage")}
+
+
+@pytest.mark.parametrize(("load", "expected"), [(0.9, "throttling"), (1.2, "capacity_shortage")])
+def test_a_throttle_behind_a_capacity_aware_router_is_the_cause_only_if_lifting_it_helps(
+    load: float, expected: str
+) -> None:
+    # least connections already gives the throttled card less work; at full clock it would
+    # get more. Both cards at rho ~0.9: lifting the throttle brings them to ~0.75; at ~1.2, to
+    # ~1.0, still overloaded
+    capacity = 1 / cost() + 1 / cost(clock_ratio=0.5)
+    throttle = [{"at": 0.0, "throttle": {"gpu": 1, "clock_ratio": 0.5}}]
+    data = spec(
+        rate=load * capacity,
+        cards=("RTX 4090", "RTX 4090"),
+        router={"policy": "least_connections"},
+        events=throttle,
+    )
+    rows, _ = ground_truth(data)
+    for row in rows_of(rows, 1):
+        assert row.rho_unthrottled < truth.OVERLOADED_RHO <= row.rho
+    assert verdicts(rows, 1) == {("overloaded", expected)}
+    assert verdicts(rows, 0) == {("overloaded", "capacity_shortage")}
+
+
+def test_class_interference_is_costly_batch_jobs_in_the_queue_of_chat() -> None:
+    jobs = source("jobs", "batch", 1.0, 4000, 256)  # each ~6x the cost of a chat request
+    mixed = spec(rate=6.0)
+    mixed["traffic"].append(jobs)
+    rows, _ = ground_truth(mixed)
+    assert all(r.rho < truth.OVERLOADED_RHO for r in rows)
+    assert verdicts(rows, 0) == {("overloaded", "class_interference")}
+    # the same requests with the jobs in a pool of their own, on a second card
+    apart = spec(rate=6.0, cards=("RTX 4090", "RTX 4090"), router={"pools": {"batch": "jobs"}})
+    apart["workers"] = [worker(0), worker(1, pool="jobs")]
+    apart["traffic"].append(jobs)
+    rows, _ = ground_truth(apart)
+    assert verdicts(rows, 0) == verdicts(rows, 1) == {("starved", "low_demand")}
+
+
+def other_gpu(case: str) -> tuple[dict[str, Any], tuple[str, str]]:
+    """Two cards, GPU 0 at rho ~0.95 of its own share, and why GPU 1 cannot take any of it."""
+    two = ("RTX 4090", "RTX 4090")
+    if case == "overloaded as well":
+        return spec(rate=2 * HOT, cards=two), ("overloaded", "capacity_shortage")
+    if case == "host-bound":
+        data = spec(rate=2 * HOT, cards=two)
+        data["workers"] = [worker(0), worker(1, preprocess={"cpu_ms": 1000.0})]
+        return data, ("starved", "host_bound")
+    if case == "disk-bound":
+        data = spec(rate=2 * HOT, cards=two, disk_mb_per_second=100.0)
+        data["workers"] = [worker(0), worker(1, io_mb_per_request=20.0)]
+        return data, ("starved", "io_bound")
+    if case == "crashed":
+        crash = [{"at": 0.0, "worker_crash": {"worker": "w1"}}]
+        return spec(rate=HOT, cards=two, events=crash), ("starved", "worker_crash")
+    if case == "a faster card, host-bound":
+        rate = 2 * 0.95 / cost("RTX 4070 Ti")
+        data = spec(rate=rate, cards=("RTX 4070 Ti", "RTX 4090"))
+        data["workers"] = [worker(0), worker(1, preprocess={"cpu_ms": 1000.0})]
+        return data, ("starved", "host_bound")
+    if case == "serving another model":
+        data = spec(rate=HOT, cards=two)
+        data["models"]["other"] = {"params_billions": 1.0}
+        data["workers"] = [worker(0), {**worker(1, pool="other"), "model": "other"}]
+        return data, ("starved", "low_demand")
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "overloaded as well",
+        "host-bound",
+        "disk-bound",
+        "crashed",
+        "a faster card, host-bound",
+        "serving another model",
+    ],
+)
+def test_overloaded_at_its_share_with_no_gpu_to_take_the_work_is_capacity_shortage(
+    case: str,
+) -> None:
+    data, other = other_gpu(case)
+    rows, _ = ground_truth(data)
+    assert all(r.fair_rho >= truth.OVERLOADED_RHO for r in rows_of(rows, 0))
+    assert verdicts(rows, 0) == {("overloaded", "capacity_shortage")}
+    assert verdicts(rows, 1) == {other}
+
+
+def test_overloaded_with_an_idle_card_of_its_model_in_another_pool_is_routing_skew() -> None:
+    # pools are the router's choice: the idle card could serve the work
+    data, _ = other_gpu("serving another model")
+    data["workers"][1]["model"] = "small"
+    rows, _ = ground_truth(data)
+    assert all(r.fair_rho < truth.OVERLOADED_RHO for r in rows_of(rows, 0))
+    assert verdicts(rows, 0) == {("overloaded", "routing_skew")}
+    # alone in its pool, the idle card has no busy peer
+    assert verdicts(rows, 1) == {("starved", "low_demand")}
+
+
+def test_a_weighted_default_target_is_routing_skew_on_both_sides() -> None:
+    data = spec(
+        rate=1.1 * HOT,
+        cards=("RTX 4090", "RTX 4090"),
+        router={"policy": "weighted_round_robin", "weights": {"w0": 10.0, "w1": 1.0}},
+    )
+    rows, _ = ground_truth(data)
+    assert verdicts(rows, 0) == {("overloaded", "routing_skew")}
+    # the work exists, went to the peer, and half of it would feed this GPU
+    assert all(r.fair_rho >= truth.STARVED_RHO for r in rows_of(rows, 1))
+    assert verdicts(rows, 1) == {("starved", "routing_skew")}
+
+
+def test_a_slow_card_is_not_slow_card_when_it_gets_no_more_than_its_capacity_share() -> None:
+    # (test_round_robin_overloads_the_slow_card trips the rule.) Weights that give the 4070 Ti
+    # a little less than its capacity share overload both cards of the pool, while a third
+    # card of the same model idles in another pool: the split between pools is at fault
+    weight = cost("RTX 4070 Ti") / cost() * 1.1
+    data = spec(
+        rate=0.95 * (1 / cost() + 1 / cost("RTX 4070 Ti")),
+        cards=("RTX 4090", "RTX 4070 Ti", "RTX 4090"),
+        router={"policy": "weighted_round_robin", "weights": {"w0": weight, "w1": 1.0}},
+    )
+    data["workers"] = [worker(0), worker(1), worker(2, pool="spare")]
+    rows, _ = ground_truth(data)
+    for row in rows_of(rows, 1):
+        assert row.share_of_pool_work < row.capacity_share
+        assert row.fair_rho < truth.OVERLOADED_RHO
+    assert verdicts(rows, 1) == {("overloaded", "routing_skew")}
+
+
+def test_a_capacity_aware_router_keeps_the_slow_card_balanced() -> None:
+    rows, _ = ground_truth(
+        spec(rate=28.0, cards=("RTX 4090", "RTX 4070 Ti"), router={"policy": "least_connections"})
+    )
+    assert verdicts(rows, 0) == verdicts(rows, 1) == {("balanced", "none")}
+
+
+def test_class_interference_names_a_mixed_queue_the_router_overloads() -> None:
+    # over the threshold, after capacity shortage and the slow card: GPU 1 has room
+    weights = {"policy": "weighted_round_robin", "weights": {"w0": 3.0, "w1": 1.0}}
+    costly = spec(rate=12.0, cards=("RTX 4090", "RTX 4090"), router=weights)
+    costly["traffic"].append(source("jobs", "batch", 2.5, 4000, 256))
+    rows, _ = ground_truth(costly)
+    assert all(r.rho >= truth.OVERLOADED_RHO > r.fair_rho for r in rows_of(rows, 0))
+    assert verdicts(rows, 0) == {("overloaded", "class_interference")}
+    # jobs as cheap as chat: the same weights only skew the work
+    cheap = spec(rate=1.5 * HOT, cards=("RTX 4090", "RTX 4090"), router=weights)
+    cheap["traffic"].append(source("jobs", "batch", 1.5, PROMPT, OUTPUT))
+    rows, _ = ground_truth(cheap)
+    assert verdicts(rows, 0) == {("overloaded", "routing_skew")}
+
+
+def test_a_worker_down_part_of_a_window_is_the_cause_only_if_up_it_would_be_fed() -> None:
+    # (test_worker_crash_starves_its_gpu_until_the_restart trips the rule at down >= 0.5.)
+    # w1 is down 10 s of [60, 90), so it gets 0.4 of the requests instead of 0.5
+    crash = [{"at": 70.0, "worker_crash": {"worker": "w1", "restart_after_seconds": 10.0}}]
+    two = ("RTX 4090", "RTX 4090")
+    fed, _ = ground_truth(spec(rate=20.0, cards=two, events=crash))
+    window = rows_of(fed, 1)[2]
+    assert window.down_share == round(1 / 3, 4)
+    assert window.rho < truth.STARVED_RHO <= window.rho / (1 - 1 / 3)
+    assert (window.state, window.cause) == ("starved", "worker_crash")
+    trickle, _ = ground_truth(spec(rate=10.0, cards=two, events=crash))
+    window = rows_of(trickle, 1)[2]
+    assert window.rho / (1 - 1 / 3) < truth.STARVED_RHO
+    assert (window.state, window.cause) == ("starved", "low_demand")
+
+
+def test_enough_preprocessing_threads_are_not_host_bound() -> None:
+    # (test_host_cpu_caps_the_load_that_reaches_the_gpu trips the rule with one thread)
+    rows, _ = ground_truth(spec(rate=15.0, worker={"preprocess": {"cpu_ms": 200.0, "threads": 4}}))
+    assert not any(r.cpu_limited for r in rows)
+    assert verdicts(rows, 0) == {("balanced", "none")}
+
+
+def test_a_disk_fast_enough_is_not_io_bound() -> None:
+    # (test_disk_bandwidth_caps_the_load_that_reaches_the_gpu trips the rule at 100 MB/s)
+    data = spec(rate=15.0, disk_mb_per_second=400.0, worker={"io_mb_per_request": 20.0})
+    rows, _ = ground_truth(data)
+    assert not any(r.io_limited for r in rows)
+    assert verdicts(rows, 0) == {("balanced", "none")}
+
+
+def test_batch_delay_is_a_gpu_idling_while_its_batch_fills() -> None:
+    waits = spec(rate=5.0, worker={"max_batch_size": 32, "max_queue_delay_ms": 2000.0})
+    rows, _ = ground_truth(waits)
+    assert all(r.batch_idle_share >= truth.BATCH_IDLE_SHARE for r in rows)
+    assert verdicts(rows, 0) == {("starved", "batch_delay")}
+    rows, _ = ground_truth(spec(rate=5.0, worker={"max_batch_size": 32}))
+    assert all(r.batch_idle_share == 0.0 for r in rows)
+    assert verdicts(rows, 0) == {("starved", "low_demand")}
+
+
+def test_a_peer_busy_with_its_own_throttle_does_not_make_starvation_routing_skew() -> None:
+    # round robin, 4 requests/s each: GPU 1 at 8 % of its clock is busy, GPU 0 starved,
+    # and a split by capacity would leave it starved too (test_a_weighted_default_target_...
+    # trips the rule)
+    throttle = [{"at": 0.0, "throttle": {"gpu": 1, "clock_ratio": 0.08}}]
+    rows, _ = ground_truth(spec(rate=8.0, cards=("RTX 4090", "RTX 4090"), events=throttle))
+    for row in rows_of(rows, 0):
+        peer = next(r for r in rows_of(rows, 1) if r.t_start == row.t_start)
+        assert peer.rho >= truth.BUSY_PEER_RHO
+        assert row.fair_rho < truth.STARVED_RHO
+    assert verdicts(rows, 0) == {("starved", "low_demand")}
+
+
+def test_low_demand_is_a_lone_gpu_with_little_work() -> None:
+    rows, _ = ground_truth(spec(rate=5.0))
+    assert verdicts(rows, 0) == {("starved", "low_demand")}
 
 
 # -- trouble ----------------------------------------------------------------------------------

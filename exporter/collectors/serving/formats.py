@@ -31,6 +31,11 @@ Field = tuple[str, str, str, str]
 # key becomes a label value on our /metrics.
 MAX_LABELS_CHARS = 1024
 
+# Labels that name a process, not a queue: prometheus_client's multiprocess collector adds
+# ``pid`` to gauges in its "all" modes (SGLang's retraction gauges, for one), and a new PID
+# after a restart must not make a new queue. Left out of a series' identity.
+VOLATILE_LABELS = frozenset({"pid"})
+
 FORMATS: dict[str, Adapter] = {}
 
 
@@ -65,7 +70,10 @@ def values(
 
     ``suffix`` picks a histogram's ``_sum`` or ``_count``. A counter's samples end in ``_total``
     whether or not the server wrote it (the parser adds it), so both spellings read alike.
-    Series with more than :data:`MAX_LABELS_CHARS` of labels are left out.
+    Series with more than :data:`MAX_LABELS_CHARS` of labels are left out, and
+    :data:`VOLATILE_LABELS` from the label sets; of series that differ only in those, the last
+    written wins (prometheus_client keeps a dead process's series in "all" mode, so none is
+    surely the live one).
     """
     family = families.get(name)
     if family is None or family.type != kind:
@@ -73,7 +81,7 @@ def values(
     wanted = name + (suffix or ("_total" if kind == "counter" else ""))
     found: dict[Labels, float] = {}
     for sample in family.samples:
-        labels = tuple(sorted(sample.labels.items()))
+        labels = tuple(sorted((n, v) for n, v in sample.labels.items() if n not in VOLATILE_LABELS))
         if sample.name != wanted or sum(len(n) + len(v) for n, v in labels) > MAX_LABELS_CHARS:
             continue
         try:

@@ -3,6 +3,12 @@
 Runs in the HTTP server's event loop: every endpoint is fetched concurrently with a timeout, its
 text parsed by its format's adapter, and the result replaces what the store held for it. A slow
 or dead endpoint costs its own timeout, never a sample or a /metrics answer.
+
+A scrape uses the whole body or nothing. It arrives in as many network reads as the server's
+writes and the network make of it; the timeout covers all of them, so a body still arriving
+when the timeout ends is a timeout, and a body the server cuts off (a short Content-Length, a
+missing last chunk) is ``truncated``: a part of an exposition, even cut on a line boundary,
+would pass for a server whose other series are gone.
 """
 
 from __future__ import annotations
@@ -14,14 +20,33 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gpubalance.exporter.collectors.serving.base import ParseError
+from gpubalance.exporter.collectors.serving.base import MAX_EXPOSITION_BYTES, ParseError
 from gpubalance.exporter.collectors.serving.formats import read
 from gpubalance.exporter.collectors.serving.store import SeriesLimitReached, ServingStore
 from gpubalance.exporter.config import ServingConfig, ServingEndpoint
 
 log = logging.getLogger(__name__)
 
-MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+# The parser's bound, checked while the body arrives so that no more than this is held.
+MAX_RESPONSE_BYTES = MAX_EXPOSITION_BYTES
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(response: aiohttp.ClientResponse) -> bytes:
+    """The whole body, as it arrives; raises _TooLarge past MAX_RESPONSE_BYTES, at once when
+    the server declares a longer Content-Length."""
+    declared, limit = response.content_length, MAX_RESPONSE_BYTES
+    if declared is not None and declared > limit:
+        raise _TooLarge(f"Content-Length {declared} bytes, larger than {limit}")
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise _TooLarge(f"body larger than {limit} bytes")
+    return bytes(body)
 
 
 def worker_name(endpoint: ServingEndpoint) -> str:
@@ -63,16 +88,17 @@ class ServingScraper:
                 if response.status != 200:
                     error = (f"http_{response.status}", f"HTTP {response.status}")
                 else:
-                    body = await response.content.read(MAX_RESPONSE_BYTES + 1)
-                    if len(body) > MAX_RESPONSE_BYTES:
-                        error = ("too_large", f"more than {MAX_RESPONSE_BYTES} bytes")
-                    else:
-                        # parsing a large exposition takes milliseconds: off the event loop
-                        readings = await asyncio.get_running_loop().run_in_executor(
-                            None, read, endpoint.format, body.decode("utf-8", "replace")
-                        )
-        except TimeoutError:
-            error = ("timeout", f"no answer within {self.config.timeout} s")
+                    body = await _read_body(response)
+                    # parsing a large exposition takes milliseconds: off the event loop
+                    readings = await asyncio.get_running_loop().run_in_executor(
+                        None, read, endpoint.format, body.decode("utf-8", "replace")
+                    )
+        except TimeoutError:  # aiohttp's total timeout, which covers the body's reads
+            error = ("timeout", f"no whole answer within {self.config.timeout} s")
+        except _TooLarge as exc:
+            error = ("too_large", str(exc))
+        except aiohttp.ClientPayloadError as exc:
+            error = ("truncated", f"body cut off: {exc}")
         except aiohttp.ClientError as exc:
             error = ("unreachable", f"{type(exc).__name__}: {exc}")
         except ParseError as exc:

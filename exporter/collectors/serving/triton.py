@@ -20,8 +20,25 @@ labels) on one GPU; a model without GPU series (KIND_CPU) gets one reading witho
   to the model's queue. A model without GPU readings keeps it whole.
 - ``allocation_failures_total``: ``nv_inference_request_failure{reason="BACKEND"}``: every
   error the backend returns while executing, of which running out of GPU memory is one. An
-  approximation: Triton does not count allocation failures apart.
-- ``running``, ``kv_cache_usage_ratio``: ``None``; Triton core exports neither.
+  approximation: Triton does not count allocation failures apart. Triton before the ``reason``
+  label (core PR #377, July 2024; releases before about 24.07) counts all failures in one
+  series without it, which is taken whole: the best figure such a server gives.
+- ``running``, ``kv_cache_usage_ratio``: ``None`` from Triton core, which exports neither.
+
+The TensorRT-LLM backend queues inside TensorRT-LLM: Triton hands it each request at once, so
+the pending count stays near 0 however long the queue. Its own gauges, one series per
+``request_type`` or ``kv_cache_block_type`` next to ``model`` and ``version`` (backend
+``custom_metrics_reporter.cc``; ``waiting`` only in newer backends: there at NVIDIA/TensorRT-LLM
+89fd9b7, not at triton-inference-server/tensorrtllm_backend 7f9aa46), fill in:
+
+- ``queue_depth``: plus ``nv_trt_llm_request_metrics{request_type="waiting"}``, the requests in
+  TensorRT-LLM's executor queue not yet taken into a batch (``numQueuedRequests``).
+- ``running``: ``nv_trt_llm_request_metrics{request_type="active"}``, the requests the batch
+  manager holds, in context or generation (``numActiveRequests``).
+- ``kv_cache_usage_ratio``: ``nv_trt_llm_kv_cache_block_metrics`` ``used`` / ``max`` blocks.
+
+A ``tensorrt_llm`` model runs as a KIND_CPU instance (the backend places its engine on the GPUs
+itself), so its reading names no GPU; the configuration maps it.
 """
 
 from __future__ import annotations
@@ -32,7 +49,11 @@ from gpubalance.exporter.collectors.serving.base import ServingReading
 from gpubalance.exporter.collectors.serving.formats import Labels, key, register, values
 
 FORMAT = "triton"
-FOLLOWS = "Triton Inference Server 2.x (core 73aad7c: src/metrics.cc, src/metric_model_reporter.cc)"
+FOLLOWS = (
+    "Triton Inference Server 2.x (core 73aad7c: src/metrics.cc, src/metric_model_reporter.cc); "
+    "TensorRT-LLM backend (NVIDIA/TensorRT-LLM 89fd9b7: triton_backend/inflight_batcher_llm/src/"
+    "custom_metrics_reporter/custom_metrics_reporter.cc)"
+)
 
 # A model instance group: the model's labels, and the GPU's UUID (None: no GPU named).
 Instance = tuple[Labels, str | None]
@@ -56,7 +77,8 @@ def parse(families: dict[str, Metric]) -> list[ServingReading]:
         for labels, value in values(families, name, "counter").items():
             found.setdefault(_instance(labels), {})[field] = value / divisor
     for labels, value in values(families, "nv_inference_request_failure", "counter").items():
-        if ("reason", "BACKEND") in labels:
+        # no reason (Triton before them, or an empty label, which is none): all failures
+        if dict(labels).get("reason") in (None, "", "BACKEND"):
             found.setdefault(_instance(labels), {})["allocation_failures_total"] = value
     gpus: dict[Labels, list[Instance]] = {}
     for model, gpu in found:
@@ -67,11 +89,38 @@ def parse(families: dict[str, Metric]) -> list[ServingReading]:
         shares = [(model, gpu)] if gpu is not None else gpus.get(model, [(model, None)])
         for instance in shares:
             found.setdefault(instance, {})["queue_depth"] = value / len(shares)
+    requests = _by_type(families, "nv_trt_llm_request_metrics", "request_type")
+    blocks = _by_type(families, "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type")
+    for model in requests.keys() | blocks.keys():
+        # shared like the pending count, should a model with GPU instances report them
+        shares = gpus.get(model, [(model, None)])
+        request, block = requests.get(model, {}), blocks.get(model, {})
+        waiting, active = request.get("waiting"), request.get("active")
+        used, total = block.get("used"), block.get("max")
+        for instance in shares:
+            row = found.setdefault(instance, {})
+            if waiting is not None:
+                row["queue_depth"] = row.get("queue_depth", 0.0) + waiting / len(shares)
+            if active is not None:
+                row["running"] = active / len(shares)
+            if used is not None and total:
+                row["kv_cache_usage_ratio"] = used / total
     readings = [
         ServingReading(key=key(model + ((("gpu_uuid", gpu),) if gpu else ())), gpu_uuid=gpu, **row)
         for (model, gpu), row in found.items()
     ]
     return sorted(readings, key=lambda r: r.key)
+
+
+def _by_type(families: dict[str, Metric], name: str, label: str) -> dict[Labels, dict[str, float]]:
+    """A TensorRT-LLM gauge family's values by model labels, then by its ``label``'s value."""
+    found: dict[Labels, dict[str, float]] = {}
+    for labels, value in values(families, name, "gauge").items():
+        kind = dict(labels).get(label)
+        if kind is not None:
+            model, _ = _instance(tuple((n, v) for n, v in labels if n != label))
+            found.setdefault(model, {})[kind] = value
+    return found
 
 
 def _instance(labels: Labels) -> Instance:

@@ -18,6 +18,7 @@ GPU0 = "GPU-5b1d4d34-8c7e-2f21-0d45-2f5b8c1e7a10"
 GPU1 = "GPU-a3f09c6e-41d2-7b8e-95c0-6e2d1f4b3c87"
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "engine_type=unified,model_name=Qwen/Qwen2.5-32B-Instruct,moe_ep_rank=0,pp_rank=0"
+QWEN3 = "engine_type=unified,model_name=Qwen/Qwen3-32B,moe_ep_rank=0,pp_rank=0"
 
 
 def fixture(name: str) -> str:
@@ -73,6 +74,74 @@ TRITON = [
         request_duration_seconds_sum=526.32,
         request_duration_seconds_count=6120.0,
         allocation_failures_total=0.0,
+    ),
+]
+
+# Triton 24.05: failures without a reason, taken whole
+TRITON_BEFORE_FAILURE_REASONS = [
+    ServingReading(
+        key="model=preprocess,version=1",
+        queue_depth=0.0,
+        batch_assembly_delay_seconds_sum=0.6,
+        batch_assembly_delay_seconds_count=60000.0,
+        batch_size_sum=60000.0,
+        batch_size_count=60000.0,
+        request_duration_seconds_sum=12.0,
+        request_duration_seconds_count=60000.0,
+        allocation_failures_total=2.0,
+    ),
+    *(
+        ServingReading(
+            key=f"model=resnet50,version=1,gpu_uuid={gpu}",
+            gpu_uuid=gpu,
+            queue_depth=4.0,  # 8 pending, shared by the two GPUs
+            batch_assembly_delay_seconds_sum=delay,
+            batch_assembly_delay_seconds_count=requests,
+            batch_size_sum=requests,
+            batch_size_count=batches,
+            request_duration_seconds_sum=duration,
+            request_duration_seconds_count=requests,
+            allocation_failures_total=failures,
+        )
+        for gpu, delay, requests, batches, duration, failures in (
+            (GPU0, 15.1, 30200.0, 3775.0, 90.6, 6.0),
+            (GPU1, 17.88, 29800.0, 4257.0, 92.38, 0.0),
+        )
+    ),
+]
+
+
+def _triton_cpu_model(model: str, requests: float, batches: float, delay: float, duration: float):
+    return ServingReading(
+        key=f"model={model},version=1",
+        queue_depth=0.0,
+        batch_assembly_delay_seconds_sum=delay,
+        batch_assembly_delay_seconds_count=requests,
+        batch_size_sum=requests,
+        batch_size_count=batches,
+        request_duration_seconds_sum=duration,
+        request_duration_seconds_count=requests,
+        allocation_failures_total=0.0,  # the ensemble's 5 failures are OTHER, not BACKEND
+    )
+
+
+# Triton with the TensorRT-LLM backend: the queue, the batch and the KV cache are TensorRT-LLM's
+TRITON_TENSORRT_LLM = [
+    _triton_cpu_model("ensemble", 5120.0, 5120.0, 5.12, 40960.0),
+    _triton_cpu_model("postprocessing", 614400.0, 307200.0, 61.44, 307.2),
+    _triton_cpu_model("preprocessing", 5125.0, 2050.0, 10.25, 25.625),
+    ServingReading(
+        key="model=tensorrt_llm,version=1",
+        queue_depth=15.0,  # 1 pending in Triton, 14 waiting in TensorRT-LLM's executor
+        running=48.0,
+        batch_assembly_delay_seconds_sum=2.56,
+        batch_assembly_delay_seconds_count=5120.0,
+        batch_size_sum=5120.0,
+        batch_size_count=4096.0,
+        request_duration_seconds_sum=38912.0,
+        request_duration_seconds_count=5120.0,
+        allocation_failures_total=5.0,
+        kv_cache_usage_ratio=0.625,  # 5120 of 8192 blocks
     ),
 ]
 
@@ -134,13 +203,46 @@ SGLANG = [
     for rank, delay in ((0, 2203.5625), (1, 2205.5625))
 ]
 
+# the queue-time histogram, without moe_ep_rank, joined onto each rank's gauges: two readings
+SGLANG_HISTOGRAM_LABELS = [
+    ServingReading(
+        key=f"{QWEN3},tp_rank={rank}",
+        rank=rank,
+        queue_depth=9.0,
+        running=20.0,
+        batch_assembly_delay_seconds_sum=delay,
+        batch_assembly_delay_seconds_count=1536.0,
+        request_duration_seconds_sum=9984.0,
+        request_duration_seconds_count=1536.0,
+        allocation_failures_total=4.0,
+        kv_cache_usage_ratio=0.75,
+    )
+    for rank, delay in ((0, 812.5), (1, 813.0))
+]
 
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [("triton", TRITON), ("vllm", VLLM), ("tgi", TGI), ("sglang", SGLANG)],
-)
-def test_each_server_fixture_reads_exactly(name: str, expected: list[ServingReading]) -> None:
-    assert read(name, fixture(name)) == expected
+# fixture -> (format, readings)
+FIXTURES_READ = {
+    "triton": ("triton", TRITON),
+    "triton_before_failure_reasons": ("triton", TRITON_BEFORE_FAILURE_REASONS),
+    "triton_tensorrt_llm": ("triton", TRITON_TENSORRT_LLM),
+    "vllm": ("vllm", VLLM),
+    "tgi": ("tgi", TGI),
+    "sglang": ("sglang", SGLANG),
+    "sglang_histogram_labels": ("sglang", SGLANG_HISTOGRAM_LABELS),
+}
+
+
+@pytest.mark.parametrize("name", FIXTURES_READ)
+def test_each_server_fixture_reads_exactly(name: str) -> None:
+    format, expected = FIXTURES_READ[name]
+    assert read(format, fixture(name)) == expected
+
+
+def test_every_fixture_is_read_and_names_what_it_follows() -> None:
+    assert {p.stem for p in FIXTURES.glob("*.txt")} == set(FIXTURES_READ)
+    for name in FIXTURES_READ:
+        header = fixture(name).split("\n# HELP", 1)[0]
+        assert header.startswith("# ") and any(c.isdigit() for c in header), name
 
 
 def test_the_registry_holds_every_configurable_format() -> None:
@@ -161,11 +263,11 @@ def test_no_metrics_of_the_format_give_no_readings() -> None:
     assert read("tgi", "") == []
 
 
-@pytest.mark.parametrize("name", ["triton", "vllm", "tgi", "sglang"])
+@pytest.mark.parametrize("name", FIXTURES_READ)
 def test_counters_read_alike_with_and_without_total(name: str) -> None:
     """prometheus-cpp and metrics-exporter-prometheus write counters without ``_total``,
     prometheus_client with it; a server or proxy may do either."""
-    text = fixture(name)
+    format, text = FIXTURES_READ[name][0], fixture(name)
     counters = {
         line.split()[2]
         for line in text.splitlines()
@@ -183,7 +285,7 @@ def test_counters_read_alike_with_and_without_total(name: str) -> None:
                 line = _toggle_total(line[:name_end]) + line[name_end:]
         toggled.append(line)
     assert "\n".join(toggled) != text
-    assert read(name, "\n".join(toggled)) == read(name, text)
+    assert read(format, "\n".join(toggled)) == read(format, text)
 
 
 def _toggle_total(name: str) -> str:
@@ -278,23 +380,59 @@ nv_inference_pending_request_count{gpu_uuid="GPU-0",model="m",namespace="b",vers
     ]
 
 
-def test_triton_without_failure_reasons_has_no_allocation_failures() -> None:
-    """Triton before failure reasons counted all failures together: not a BACKEND count."""
-    text = """\
+def test_triton_failures_without_a_reason_count_whole_and_only_backend_ones_with_one() -> None:
+    """Triton before failure reasons counted all failures in one series; since, only BACKEND
+    failures are the backend's (an empty reason is no label, as in Prometheus)."""
+    head = """\
 # HELP nv_inference_request_failure Number of failed inference requests, all batch sizes
 # TYPE nv_inference_request_failure counter
-nv_inference_request_failure{gpu_uuid="GPU-0",model="m",version="1"} 4.000000
-# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
-# TYPE nv_inference_request_success counter
-nv_inference_request_success{gpu_uuid="GPU-0",model="m",version="1"} 96.000000
 """
+    old = 'nv_inference_request_failure{gpu_uuid="GPU-0",model="m",version="1"} 4.000000\n'
+    new = "".join(
+        f'nv_inference_request_failure{{gpu_uuid="GPU-0",model="m",reason="{reason}",version="1"}}'
+        f" {count}\n"
+        for reason, count in (("REJECTED", 9), ("CANCELED", 8), ("BACKEND", 3), ("OTHER", 7))
+    )
+    empty = 'nv_inference_request_failure{gpu_uuid="GPU-0",model="m",reason="",version="1"} 2\n'
+    reading = ServingReading(key="model=m,version=1,gpu_uuid=GPU-0", gpu_uuid="GPU-0")
+    assert read("triton", head + old) == [replace(reading, allocation_failures_total=4.0)]
+    assert read("triton", head + new) == [replace(reading, allocation_failures_total=3.0)]
+    assert read("triton", head + empty) == [replace(reading, allocation_failures_total=2.0)]
+
+
+TRT_LLM_BEFORE_WAITING = """\
+# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution per-model.
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="tensorrt_llm",version="1"} 2
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active",version="1"} 12
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="max",version="1"} 64
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled",version="1"} 12
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="context",version="1"} 1
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm",version="1"} 0
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"} 64
+"""  # noqa: E501
+
+
+def test_tensorrt_llm_backends_before_the_waiting_count_keep_tritons_pending_count() -> None:
+    """tensorrtllm_backend 7f9aa46 reports no waiting requests, and before its first
+    iteration no KV blocks (max 0): the queue is Triton's own, the KV usage unknown."""
+    assert read("triton", TRT_LLM_BEFORE_WAITING) == [
+        ServingReading(key="model=tensorrt_llm,version=1", queue_depth=2.0, running=12.0)
+    ]
+
+
+def test_tensorrt_llm_gauges_of_a_wrong_type_or_without_their_type_label_are_skipped() -> None:
+    text = TRT_LLM_BEFORE_WAITING.replace(
+        "# TYPE nv_trt_llm_request_metrics gauge", "# TYPE nv_trt_llm_request_metrics counter"
+    ).replace('kv_cache_block_type="tokens_per",', "")
     assert read("triton", text) == [
-        ServingReading(
-            key="model=m,version=1,gpu_uuid=GPU-0",
-            gpu_uuid="GPU-0",
-            batch_assembly_delay_seconds_count=96.0,
-            request_duration_seconds_count=96.0,
-        )
+        ServingReading(key="model=tensorrt_llm,version=1", queue_depth=2.0)
     ]
 
 
@@ -337,6 +475,70 @@ def test_sglang_tokenizer_alone_gives_its_own_readings() -> None:
         ("customer=x,model_name=m", 10.0),
         ("customer=y,model_name=m", 2.0),
         ("customer=z,model_name=other", 9.0),
+    ]
+
+
+SGLANG_GAUGES = """\
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 3.0
+sglang:num_queue_reqs{model_name="m",tp_rank="1"} 3.0
+# TYPE sglang:queue_time_seconds histogram
+"""
+
+
+def test_sglang_scheduler_histograms_under_other_labels_join_their_gauges() -> None:
+    """A histogram series with labels of its own (a priority) is summed into the gauges' row
+    it fits; one with fewer labels adds to each row it fits; one that fits none is a reading."""
+    text = SGLANG_GAUGES + "".join(
+        f"sglang:queue_time_seconds_{part}{{{labels}}} {value}\n"
+        for labels, sums, count in (
+            ('model_name="m",priority="0",tp_rank="0"', 1.5, 3),
+            ('model_name="m",priority="1",tp_rank="0"', 2.5, 5),
+            ('model_name="m",tp_rank="1"', 4.0, 8),
+            ('model_name="other",tp_rank="2"', 9.0, 9),
+        )
+        for part, value in (("sum", sums), ("count", count))
+    )
+    assert read("sglang", text) == [
+        ServingReading(
+            key=f"model_name=m,tp_rank={tp}",
+            rank=tp,
+            queue_depth=3.0,
+            batch_assembly_delay_seconds_sum=4.0,
+            batch_assembly_delay_seconds_count=8.0,
+        )
+        for tp in (0, 1)
+    ] + [
+        ServingReading(
+            key="model_name=other,tp_rank=2",
+            rank=2,
+            batch_assembly_delay_seconds_sum=9.0,
+            batch_assembly_delay_seconds_count=9.0,
+        )
+    ]
+    # fewer labels: the TP group's one series, whole on each rank
+    group = SGLANG_GAUGES + (
+        'sglang:queue_time_seconds_sum{model_name="m"} 6.0\n'
+        'sglang:queue_time_seconds_count{model_name="m"} 10\n'
+    )
+    assert [
+        (r.key, r.batch_assembly_delay_seconds_sum, r.batch_assembly_delay_seconds_count)
+        for r in read("sglang", group)
+    ] == [("model_name=m,tp_rank=0", 6.0, 10.0), ("model_name=m,tp_rank=1", 6.0, 10.0)]
+
+
+def test_a_pid_label_is_no_part_of_a_reading() -> None:
+    """prometheus_client's multiprocess "all" mode writes a gauge per process with its pid,
+    and keeps a dead process's: a restarted scheduler is the same queue, the later line wins."""
+    text = (
+        "# TYPE sglang:num_queue_reqs gauge\n"
+        'sglang:num_queue_reqs{model_name="m",pid="4101",tp_rank="0"} 7.0\n'
+        'sglang:num_queue_reqs{model_name="m",pid="5230",tp_rank="0"} 2.0\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 5.0\n'
+    )
+    assert read("sglang", text) == [
+        ServingReading(key="model_name=m,tp_rank=0", rank=0, queue_depth=2.0, running=5.0)
     ]
 
 
