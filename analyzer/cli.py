@@ -10,11 +10,14 @@ object per GPU and window instead (`--fleet`: one per pool and window).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,10 +155,12 @@ def _frames(source: str, window_seconds: float) -> list[GpuFrame]:
             # as much history as the exporter keeps (its trend window), none of it twice
             history = int(latest.trend_window_seconds / latest.interval_seconds)
             recording = sources.exporter_recording(source, history)
-            frames = recording.frames(window_seconds)
-            # the window the newest sample is in has not ended: it is judged next time
+            # the history starts inside a window and the newest sample's window has not
+            # ended: both are incomplete by the source's doing, not the GPUs'
+            start = recording.samples[0].timestamp_seconds - recording.interval_seconds
             now = recording.samples[-1].timestamp_seconds
-            return list(sources.complete_windows(frames, now))
+            frames = recording.frames(window_seconds)
+            return [f for f in sources.complete_windows(frames, now) if f.t_start >= start]
         path = Path(source)
         if not path.is_dir():
             raise DiagnoseError(
@@ -187,18 +192,10 @@ def _diagnose(
         return table, Verdicts(classifier).diagnose(table)
 
 
-class _NoStatus:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
-
-
-def _status(text: str) -> Any:
+def _status(text: str) -> AbstractContextManager[Any]:
     """A spinner on a terminal's stderr while the source is read; nothing in pipes."""
     if not sys.stderr.isatty():
-        return _NoStatus()
+        return contextlib.nullcontext()
     from rich.console import Console
 
     return Console(stderr=True).status(text)
@@ -319,12 +316,13 @@ def _print_table(
         )
         kinds = ", ".join(
             f"{kind.replace('_', ' ')} {count}"
-            for kind, count in _counts(f.kind for f in fleets).items()
+            for kind, count in Counter(f.kind for f in fleets).items()
         )
         line.append(f" ({kinds} windows)")
         console.print(line)
-        for sentence in now.evidence[:-1] if ratio_now is not None else now.evidence:
-            console.print(f"  {sentence}")
+        for sentence in now.evidence:
+            if not sentence.startswith("idle while queued"):  # the line above says it
+                console.print(f"  {sentence}")
 
 
 _FLEET_STYLES = {
@@ -334,13 +332,6 @@ _FLEET_STYLES = {
     "balanced": "green",
     "unknown": "magenta",
 }
-
-
-def _counts(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return out
 
 
 def _percent(ratio: float | None) -> str:

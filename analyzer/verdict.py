@@ -66,7 +66,7 @@ class Diagnosis:
     """Everything one feature table says: per GPU and window, per pool and window."""
 
     verdicts: tuple[Verdict, ...]  # in time order, then host and GPU index
-    fleet: tuple[FleetVerdict, ...]  # in time order, then host and pool
+    fleet: tuple[FleetVerdict, ...]  # in time order
 
 
 def pool_name(frame: GpuFrame) -> str:
@@ -139,10 +139,14 @@ def _unknown_reason(
             "samples without a reading; the GPU's state is unknown, not idle",
         )
     if frame.lost:
+        before = (
+            f"{frame.sample_count} of {expected} samples before it"
+            if frame.sample_count
+            else "no reading in the window"
+        )
         return (
             "GPU lost",
-            f"NVML reports GPU {frame.gpu} lost (fallen off the bus) in this window; "
-            f"{frame.sample_count} of {expected} samples before it",
+            f"NVML reports GPU {frame.gpu} lost (fallen off the bus); {before}",
         )
     if frame.coverage_ratio >= min_coverage:
         return None
@@ -394,22 +398,23 @@ class Verdicts:
         labels = [split_label(str(label)) for label in self.classifier.classes_]
         evidence = _Evidence(context)
         by_gpu: dict[tuple[str, str], list[int]] = {}
-        windows: dict[str, set[float]] = {}
+        windows: dict[str, set[float]] = {}  # host -> the windows it reported
         for i, frame in enumerate(table.frames):
             by_gpu.setdefault((frame.host, frame.uuid), []).append(i)
             windows.setdefault(frame.host, set()).add(frame.t_start)
         out: list[tuple[Verdict, int | None]] = []
         for (host, _), rows in by_gpu.items():
             rows.sort(key=lambda i: table.frames[i].t_start)
-            seconds = table.frames[rows[0]].seconds
-            grid = _grid(sorted(windows[host]), seconds)
-            at = {table.frames[i].t_start: i for i in rows}
             track = _Track()
             last = table.frames[rows[0]]
-            for t_start in (t for t in grid if t >= last.t_start):
-                row = at.get(t_start)
+            # windows by their index from the GPU's first: every one its host reported, gaps
+            # included, through the host's last
+            first, seconds = last.t_start, last.seconds
+            at = {round((table.frames[i].t_start - first) / seconds): i for i in rows}
+            for index in range(round((max(windows[host]) - first) / seconds) + 1):
+                row = at.get(index)
                 if row is None:
-                    out.append((self._missing(last, t_start, track), None))
+                    out.append((self._missing(last, first + index * seconds, track), None))
                     continue
                 last = table.frames[row]
                 verdict = self._step(row, probabilities[row], labels, track, evidence)
@@ -577,7 +582,9 @@ class Verdicts:
             values = [float(idle[r]) for r in rows if _known(idle[r])]
             ratio = round(float(np.mean(values)), 4) if values else None
             queued = {
-                v.gpu for v, r in members if r is not None and _known(queue[r]) and queue[r] >= 1
+                v.gpu
+                for v, r in members
+                if r is not None and _known(queue[r]) and queue[r] >= QUEUED_BATCHES
             }
             kind, sentences = _fleet_kind([v for v, _ in members], queued)
             if ratio is not None:
@@ -594,13 +601,6 @@ class Verdicts:
                 idle_while_queued_ratio=ratio,
                 evidence=tuple(sentences),
             )
-
-
-def _grid(starts: Sequence[float], seconds: float) -> list[float]:
-    """Every window from the first to the last one a host reported, gaps included."""
-    first = starts[0]
-    count = round((starts[-1] - first) / seconds) + 1
-    return [first + k * seconds for k in range(count)]
 
 
 def _gpus(verdicts: Iterable[Verdict]) -> str:

@@ -306,8 +306,9 @@ def test_an_exporter_with_a_hung_gpu(
             hung = [r for r in rows if r["gpu"] == 1 and r["state"] == "unknown"]
         reason = str(hung[-1]["unknown_reason"])
         assert reason.startswith("NVML call hung in nvmlDevice"), reason
-        # GPU 0 keeps its cadence: nothing of GPU 1's hang is blamed on it
-        assert not [r for r in rows if r["gpu"] == 0 and "NVML" in str(r["unknown_reason"])]
+        # GPU 0 keeps its cadence, and only whole windows of the history are judged
+        reasons = [r["unknown_reason"] for r in rows if r["gpu"] == 0]
+        assert reasons and set(reasons) == {None}
     finally:
         exporter.write({"device_count": 2})
         exporter.stop()
