@@ -25,6 +25,7 @@ waiting work in that queue, never at a worker, so its ratio is 0; so is a single
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -100,7 +101,7 @@ def _count(value: float) -> str:
 
 
 def _known(value: float) -> bool:
-    return not math.isnan(value)
+    return math.isfinite(value)
 
 
 class _Context:
@@ -120,6 +121,16 @@ class _Context:
             for i in self.pools[key]
             if i != row and self.table.frames[i].sample_count > 0
         ]
+
+
+def _finite(frame: GpuFrame) -> GpuFrame:
+    """The frame with NaN or infinite figures (a damaged recording) as None: unknown."""
+    bad = {
+        f.name: None
+        for f in dataclasses.fields(frame)
+        if isinstance(value := getattr(frame, f.name), float) and not math.isfinite(value)
+    }
+    return dataclasses.replace(frame, **bad) if bad else frame
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -193,9 +204,9 @@ class _Evidence:
         self.context = context
 
     def sentences(self, row: int, state: State, cause: Cause) -> list[str]:
-        frame = self.context.table.frames[row]
+        frame = _finite(self.context.table.frames[row])
         features = self.context.table.row(row)
-        peers = self.context.peers(row)
+        peers = [_finite(p) for p in self.context.peers(row)]
         found = {
             "load": self._load(frame, features, peers),
             "clock": self._clock(frame, cause),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pty
@@ -132,6 +133,29 @@ def test_the_csv_tells_the_same_story_as_the_snapshots(
         (r["t_start"], r["gpu"]) for r in table
     ]
     assert [r["state"] for r in snapshots] == [r["state"] for r in table]
+
+
+def test_a_damaged_recording_gives_unknown_not_nan(
+    csv_dir: Path, tmp_path: Path, diagnose: Callable[..., Result]
+) -> None:
+    with (csv_dir / "frames.csv").open(newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    with (tmp_path / "frames.csv").open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            t, gpu = float(row["t"]), row["gpu"]
+            if 60 < t <= 90 and gpu == "1":
+                row["utilization"] = "nan"
+            if 90 < t <= 120 and gpu == "2":
+                row["queue_depth"], row["batch_size_mean"] = "nan", "inf"
+            writer.writerow(row)
+    verdicts = _rows(diagnose("--from", str(tmp_path), "--format", "json"))
+    _check_rows(verdicts)
+    words = {w for r in verdicts for s in r["evidence"] for w in re.findall(r"\w+", s)}  # type: ignore[union-attr]
+    assert not words & {"nan", "inf"}
+    blind = next(r for r in verdicts if r["gpu"] == 1 and r["t_start"] == 60)
+    assert blind["unknown_reason"] == "the classifier cannot judge: no utilization reading"
 
 
 def test_fleet_rows_and_the_window_option(run_dir: Path, diagnose: Callable[..., Result]) -> None:
