@@ -14,6 +14,7 @@ class is always the one the rule's comparisons pick.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -60,18 +61,19 @@ def _known(truth: np.ndarray) -> np.ndarray:
     return np.nan_to_num(truth, nan=0.0)
 
 
-class _RuleClassifier:
+class _RuleClassifier(abc.ABC):
     """The classifier contract both rules share; a subclass says which states and causes."""
 
+    @abc.abstractmethod
     def _rule_labels(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """Every label the rule can answer."""
 
+    @abc.abstractmethod
     def _judge(
         self, table: FeatureTable
     ) -> tuple[dict[State, np.ndarray], dict[State, np.ndarray]]:
         """Per state its truth 0..1 (``unknown``: 1 where the rule cannot judge) and per state
         the cause each row gets (an array of cause names)."""
-        raise NotImplementedError
 
     def fit(self, table: FeatureTable, labels: Sequence[str] | None = None) -> _RuleClassifier:
         """Nothing to learn; checks the labels if given (one joint label per row)."""

@@ -266,8 +266,11 @@ def _print_table(
     hosts = {host for host, _ in by_gpu}
     first, last = windows[0], windows[-1] + window_seconds
     grid = Table(
-        title=f"{source}: {len(windows)} windows of {window_seconds:g} s, "
-        f"{_clock(first)} to {_clock(last)}",
+        title=Text(
+            f"{source}: {len(windows)} windows of {window_seconds:g} s, "
+            f"{_clock(first)} to {_clock(last)}",
+            style="italic",
+        ),
         caption=f"classifier: {classifier_name}; timeline oldest to newest, "
         + ", ".join(f"{mark} {state}" for state, mark in MARKS.items())
         + (f"; last {len(shown)} windows" if len(shown) < len(windows) else ""),
@@ -287,19 +290,22 @@ def _print_table(
         for t in shown:
             state = at.get(t)
             timeline.append(MARKS[state] if state else " ", style=STYLES.get(state or "", ""))
+        # Text, not str: a cell's text is the telemetry's, never rich markup
         cells = [
-            str(gpu),
-            cards.get((host, gpu), ""),
+            Text(str(gpu)),
+            Text(cards.get((host, gpu), "")),
             Text(now.state, style=STYLES[now.state]),
-            now.cause if now.state != "unknown" else "-",
-            f"{now.confidence:.2f}",
+            Text(now.cause if now.state != "unknown" else "-"),
+            Text(f"{now.confidence:.2f}"),
             # a figure and its unit stay on one line
-            (now.unknown_reason or (now.evidence[0] if now.evidence else "")).replace(
-                " %", "\u00a0%"
+            Text(
+                (now.unknown_reason or (now.evidence[0] if now.evidence else "")).replace(
+                    " %", "\u00a0%"
+                )
             ),
             timeline,
         ]
-        grid.add_row(*([host] if len(hosts) > 1 else []), *cells)
+        grid.add_row(*([Text(host)] if len(hosts) > 1 else []), *cells)
     console.print(grid)
     pools: dict[tuple[str, str], list[Any]] = {}
     for fleet in diagnosis.fleet:
@@ -322,7 +328,7 @@ def _print_table(
         console.print(line)
         for sentence in now.evidence:
             if not sentence.startswith("idle while queued"):  # the line above says it
-                console.print(f"  {sentence}")
+                console.print(f"  {sentence}", markup=False)
 
 
 _FLEET_STYLES = {

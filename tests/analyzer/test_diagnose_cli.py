@@ -199,6 +199,18 @@ def test_the_table_reads_plainly_in_a_pipe(run_dir: Path) -> None:
     assert "classifier: baseline-queue" in result.stdout
 
 
+def test_the_table_prints_names_as_they_are(
+    csv_dir: Path, tmp_path: Path, diagnose: Callable[..., Result]
+) -> None:
+    odd = tmp_path / "[bold]run"  # a host named like rich markup stays a name
+    odd.mkdir()
+    shutil.copy(csv_dir / "frames.csv", odd / "frames.csv")
+    result = diagnose("--from", str(odd))
+    assert result.returncode == 0, result.stderr
+    assert f"{odd}: 5 windows of 30 s" in result.stdout
+    assert "pool (unnamed) on [bold]run: imbalance" in result.stdout
+
+
 def test_the_table_has_colours_on_a_terminal(run_dir: Path) -> None:
     leader, follower = pty.openpty()
     env = {**os.environ, "COLUMNS": "160"}
