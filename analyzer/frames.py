@@ -48,7 +48,7 @@ class GpuFrame:
     card: str | None
     t_start: float
     t_end: float
-    sample_count: int  # samples in the window with a reading of this GPU
+    sample_count: int  # samples in the window with a fresh reading of this GPU
     expected_sample_count: int  # samples a window holds at the source's interval
     lost: bool  # NVML reported it lost in the window
     utilization_mean_ratio: float | None
@@ -82,6 +82,10 @@ class GpuFrame:
     host_cpu_pressure_ratio: float | None  # PSI cpu "some": share of the window
     host_io_pressure_ratio: float | None  # PSI io "some"
     host_iowait_ratio: float | None
+    # readings NVML did not deliver in time (the GPU's read is stuck): not counted in
+    # sample_count; stale_call is the pynvml function the last of them waited in
+    stale_sample_count: int = 0
+    stale_call: str | None = None
 
     @property
     def seconds(self) -> float:
@@ -289,7 +293,8 @@ def _gpu_frame(
     expected: int,
 ) -> GpuFrame:
     readings = [(s, g) for s in samples if (g := _gpu_of(s, uuid)) is not None]
-    live = [(s, g) for s, g in readings if not g.lost]
+    live = [(s, g) for s, g in readings if not g.lost and not g.stale]
+    stale = [g for _, g in readings if g.stale]
     utilization = [v for _, g in live for (t, v) in g.utilization_samples if t_start <= t < t_end]
     if not utilization:
         utilization = [g.utilization_ratio for _, g in live if g.utilization_ratio is not None]
@@ -355,6 +360,8 @@ def _gpu_frame(
         host_cpu_pressure_ratio=host.cpu_pressure,
         host_io_pressure_ratio=host.io_pressure,
         host_iowait_ratio=host.iowait,
+        stale_sample_count=len(stale),
+        stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
     )
 
 
