@@ -7,8 +7,10 @@ STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
 SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl
 FUZZ_INPUTS ?= 100000
+# repetitions of `make test-repeat`
+N ?= 5
 
-.PHONY: all venv system-deps fakenvml test lint demo bench clean
+.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench clean
 
 all: test
 
@@ -45,6 +47,10 @@ lint: venv
 
 test: venv system-deps fakenvml lint
 	$(VENV)/bin/pytest -q
+
+# the tests that run on real clocks, N rounds of all of them: counts how often each passes
+test-repeat: venv system-deps fakenvml
+	$(VENV)/bin/pytest -q -m "live or haproxy or timing" --count $(N) --repeat-scope session
 
 demo: venv system-deps fakenvml
 	$(PY) -m gpubalance lab demo

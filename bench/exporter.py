@@ -35,7 +35,7 @@ from results import progress, write_section  # noqa: E402
 # -- the workers: each reads commands on stdin and answers one JSON line per command --------
 
 OURS = r"""
-import json, sys, time
+import dataclasses, json, sys, time
 from gpubalance.exporter.collectors.base import SampleParts
 from gpubalance.exporter.cli import build_collectors
 from gpubalance.exporter.config import ExporterConfig
@@ -48,7 +48,7 @@ collectors = {c.name: c for c in build_collectors(config)}
 sampler = Sampler(config, list(collectors.values()), "bench")
 
 def timed(fn):
-    t0 = time.thread_time_ns(); fn(); return time.thread_time_ns() - t0
+    t0 = time.process_time_ns(); fn(); return time.process_time_ns() - t0
 
 def gpu_sample():
     parts = SampleParts(timestamp_seconds=time.time())
@@ -60,8 +60,20 @@ def gpu_sample():
 def host_sample():
     collectors["host"].update(SampleParts(timestamp_seconds=time.time()))
 
-for _ in range(40):  # fill the history as a running exporter would have it
+for _ in range(config.history_length):  # fill the history as a running exporter has it
     view = sampler.sample_once()
+# the samples were taken back to back: space them one interval apart, as a running exporter's
+# are, so that the window step computes the memory trend over its full 300 s
+last = view.sample.timestamp_seconds
+n = len(sampler.history)
+spaced = [
+    dataclasses.replace(s, timestamp_seconds=last - (n - 1 - i))
+    for i, s in enumerate(sampler.history)
+]
+sampler.history.clear()
+sampler.history.extend(spaced)
+trend = compute_window(sampler.history, 30.0, 300.0).gpus[0]
+assert trend.memory_used_slope_bytes_per_second is not None, "the trend must be computed"
 ops = {
     "sample": gpu_sample,
     "host": host_sample,
@@ -85,7 +97,7 @@ registry = CollectorRegistry()
 exporter = PrometheusExporter(devices, hostname="bench", registry=registry)
 
 def timed(fn):
-    t0 = time.thread_time_ns(); fn(); return time.thread_time_ns() - t0
+    t0 = time.process_time_ns(); fn(); return time.process_time_ns() - t0
 
 def cycle():
     for device in devices:
@@ -239,8 +251,9 @@ def report(times: dict[tuple[str, str], list[int]], sizes: dict[str, int], args:
         f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.rounds} alternating rounds of "
-        f"{args.batch} (n = {n} per figure); CPU time of the working thread "
-        "(`time.thread_time_ns`); fake driver with `FAKE_NVML_RELOAD=100000`; medians in ms.",
+        f"{args.batch} (n = {n} per figure); CPU time of the worker process, all its threads "
+        "(`time.process_time_ns`: gpubalance reads each GPU in a thread of its own); fake "
+        "driver with `FAKE_NVML_RELOAD=100000`; medians in ms.",
         "",
         "| measurement | gpubalance | nvitop-exporter 1.7.2 | ratio |",
         "|---|---:|---:|---:|",

@@ -143,6 +143,8 @@ def scrape_exporter() -> dict[str, str]:
             "exporter",
             "--listen",
             "127.0.0.1:0",
+            "--otlp-listen",
+            "127.0.0.1:0",
             "--log-level",
             "info",
         ],

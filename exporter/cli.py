@@ -38,6 +38,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "node_exporter reads; reloaded on SIGHUP",
     )
     parser.add_argument(
+        "--otlp-listen",
+        type=_listen,
+        metavar="HOST:PORT",
+        help="address of the OTLP/HTTP receiver (default 127.0.0.1:4318; beyond loopback it "
+        "needs TLS and a token, see exporter.serving.otlp)",
+    )
+    parser.add_argument(
         "--interval",
         type=float,
         metavar="SECONDS",
@@ -95,6 +102,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the JSON Schema of /api/v1/snapshot and exit",
     )
+
+
+def _listen(value: str) -> str:
+    from gpubalance.exporter.config import parse_listen
+
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _with_otlp_listen(config: Any, listen: str | None) -> Any:
+    """The config with --otlp-listen in place of exporter.serving.otlp.listen (checked above),
+    keeping the file's other OTLP keys."""
+    if listen is None:
+        return config
+    otlp = config.serving.otlp.model_copy(update={"listen": listen})
+    return config.model_copy(update={"serving": config.serving.model_copy(update={"otlp": otlp})})
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,6 +188,7 @@ def load_config(args: argparse.Namespace) -> ExporterConfig:
 
 def run(args: argparse.Namespace) -> int:
     from gpubalance.config import ConfigError
+    from gpubalance.exporter.otlp import OtlpListener
     from gpubalance.exporter.webconfig import WebSecurity
 
     if args.print_schema:
@@ -171,10 +198,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
-        config = load_config(args)
+        config = _with_otlp_listen(load_config(args), args.otlp_listen)
         check_paths(config)
         collectors = build_collectors(config)
         security = WebSecurity(args.web_config_file)
+        otlp = OtlpListener.from_settings(config.serving.otlp)
     except (ConfigError, ValueError) as exc:
         print(f"gpubalance exporter: {exc}", file=sys.stderr)
         return 2
@@ -198,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpubalance exporter: NVML did not come up: {nvml.error}", file=sys.stderr)
             return 1
         return 0
-    return asyncio.run(serve(config, sampler, security))
+    return asyncio.run(serve(config, sampler, security, otlp))
 
 
 def check_paths(config: ExporterConfig) -> None:
@@ -226,13 +254,14 @@ def build_collectors(config: Any) -> list[Any]:
     return [spec.factory(config) for spec in enabled_specs(config.collectors)]
 
 
-async def serve(config: Any, sampler: Any, security: Any) -> int:
+async def serve(config: Any, sampler: Any, security: Any, otlp: Any = None) -> int:
     from aiohttp import web
 
     from gpubalance.exporter.server import ExporterServer
 
     log = logging.getLogger("gpubalance.exporter")
-    app = ExporterServer(sampler, config).app()
+    server = ExporterServer(sampler, config)
+    app = server.app()
     security.install(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -248,6 +277,23 @@ async def serve(config: Any, sampler: Any, security: Any) -> int:
     log.info("web config %s: %s", security.config.source, security.config.describe())
     for url in security.urls():
         log.info("listening on %s", url)
+    otlp_runner = None
+    if otlp is not None and server.serving is not None:
+        try:
+            otlp_runner, server.otlp_url = await otlp.start(server.serving.store)
+        except OSError as exc:
+            security.close()
+            await runner.cleanup()
+            sampler.stop()
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            listen = config.serving.otlp.listen
+            print(
+                f"gpubalance exporter: cannot listen on {listen} (exporter.serving.otlp.listen,"
+                f" --otlp-listen): {reason}",
+                file=sys.stderr,
+            )
+            return 2
+        log.info("OTLP receiver at %s", server.otlp_url)
     sampler.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -257,6 +303,8 @@ async def serve(config: Any, sampler: Any, security: Any) -> int:
         loop.add_signal_handler(signal.SIGHUP, security.reload_soon)
     await stop.wait()
     log.info("stopping")
+    if otlp_runner is not None:
+        await otlp_runner.cleanup()
     security.close()
     await runner.cleanup()
     sampler.stop()

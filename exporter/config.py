@@ -55,12 +55,35 @@ class ServingEndpoint(BaseModel):
         return value
 
 
+DEFAULT_OTLP_LISTEN = "127.0.0.1:4318"  # OTLP/HTTP's port, on loopback
+
+
 class OtlpSettings(BaseModel):
+    """The OTLP receiver's listener; beyond loopback it needs TLS and a token (checked at start,
+    with the files, by gpubalance.exporter.otlp.OtlpListener)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = True
+    listen: str = Field(DEFAULT_OTLP_LISTEN, description="HOST:PORT, apart from the scrape port")
+    token_file: str | None = Field(None, description="file holding the bearer token pushes need")
+    allow_unauthenticated: bool = Field(False, description="listen wide without TLS and token")
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     max_series: int = Field(10_000, gt=0, description="serving series, scraped and pushed")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> OtlpSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
 
 
 class ServingConfig(BaseModel):

@@ -16,7 +16,6 @@ from aiohttp import web
 from gpubalance.exporter.collectors.serving.collector import ServingCollector
 from gpubalance.exporter.config import ExporterConfig
 from gpubalance.exporter.exposition import PROFILES, render
-from gpubalance.exporter.otlp import OtlpLimits, OtlpReceiver
 from gpubalance.exporter.sampler import Sampler
 from gpubalance.snapshot import SCHEMA, Snapshot, to_json
 
@@ -29,7 +28,7 @@ INDEX = """<!doctype html>
 <li><a href="/metrics">/metrics</a> (Prometheus; <code>?names=native|dcgm|both</code>)</li>
 <li><a href="/api/v1/snapshot">/api/v1/snapshot</a> (JSON; <code>?history=N</code>)</li>
 <li><a href="/healthz">/healthz</a></li>
-<li><code>POST /v1/metrics</code> (OTLP/HTTP metrics: protobuf or JSON)</li>
+<li>OTLP/HTTP pushes: on the OTLP listener (<code>exporter.serving.otlp.listen</code>)</li>
 </ul></body></html>
 """
 
@@ -42,22 +41,16 @@ class ExporterServer:
         self.serving = next(
             (c for c in sampler.collectors if isinstance(c, ServingCollector)), None
         )
+        self.otlp_url: str | None = None  # where the OTLP listener runs, once it does
 
     def app(self) -> web.Application:
-        # the OTLP receiver takes bodies up to its own limit and answers 413 itself
-        limit = self.config.serving.otlp.max_body_bytes + 1024
-        app = web.Application(client_max_size=limit)
+        app = web.Application()
         app.router.add_get("/", self.index)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/api/v1/snapshot", self.snapshot)
+        app.router.add_post("/v1/metrics", self.otlp_elsewhere)
         if self.serving is not None:
-            if self.config.serving.otlp.enabled:
-                receiver = OtlpReceiver(
-                    self.serving.store,
-                    OtlpLimits(max_body_bytes=self.config.serving.otlp.max_body_bytes),
-                )
-                app.router.add_post("/v1/metrics", receiver.handle)
             app.cleanup_ctx.append(self._scrape_serving)
         return app
 
@@ -127,6 +120,15 @@ class ExporterServer:
         if "gzip" in request.headers.get("Accept-Encoding", ""):
             response.enable_compression()
         return response
+
+    async def otlp_elsewhere(self, request: web.Request) -> web.Response:
+        # the scrape port stays read-only: whoever can scrape must not forge queue figures
+        where = self.otlp_url or "not running (exporter.serving.otlp.enabled, --collector.serving)"
+        return web.Response(
+            status=404,
+            text=f"OTLP pushes go to the OTLP listener (exporter.serving.otlp.listen), not the"
+            f" scrape port; here it is {where}\n",
+        )
 
     async def healthz(self, request: web.Request) -> web.Response:
         """ok (200), degraded (200: what is wrong under ``problems``), stale or starting (503).

@@ -1,7 +1,8 @@
 """Report a custom Python serving worker's queue to the gpubalance exporter over OTLP.
 
 Workers that no scrape adapter understands (Triton, vLLM, TGI and SGLang have one) push five
-metrics to the exporter's ``POST /v1/metrics``::
+metrics to ``POST /v1/metrics`` on the exporter's OTLP listener (``127.0.0.1:4318`` unless
+``exporter.serving.otlp.listen`` says otherwise)::
 
     from gpubalance.instrument import ServingMetrics
 
@@ -34,7 +35,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-DEFAULT_ENDPOINT = "http://127.0.0.1:9450/v1/metrics"
+DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/metrics"  # the exporter's OTLP listener
 SERVICE_NAME = "gpubalance-worker"
 # A dead exporter must hold an export (and so shutdown()) for seconds, not the SDK's 10 s.
 EXPORT_TIMEOUT_SECONDS = 3.0

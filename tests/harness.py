@@ -132,16 +132,24 @@ class RunningExporter:
 def run_live(
     data: dict[str, Any] | Plan,
     fakenvml_dir: Path,
-    probe: Callable[[LiveLab], Any],
-    probe_after: float,
+    probe: Callable[[LiveLab], Any] | None = None,
     window: float = 4.0,
+    settle: float = 0.0,
     duration: float | None = None,
 ) -> tuple[LiveLab, list[Any], Any]:
-    """Run the live lab in a thread; call ``probe(lab)`` ``probe_after`` s into the run."""
+    """Run the live lab in a thread; call ``probe(lab)`` once the exporter's window covers only
+    the run from ``settle`` s after the traffic started on (never after a fixed sleep: a busy
+    machine can delay a probe, never make it read a window that began before the traffic)."""
     the_plan = data if isinstance(data, Plan) else plan(Scenario.model_validate(data))
     duration = duration or the_plan.scenario.duration_seconds
     requests = traffic.generate(the_plan.scenario.traffic, duration, the_plan.scenario.seed)
     ready = threading.Event()
+    started: list[float] = []  # time.time() when the traffic starts
+
+    def on_ready(_: LiveLab) -> None:
+        started.append(time.time())
+        ready.set()
+
     lab = LiveLab(
         the_plan,
         requests,
@@ -156,7 +164,7 @@ def run_live(
             str(2 * window),
         ),
         build_dir=fakenvml_dir,
-        on_ready=lambda _: ready.set(),
+        on_ready=on_ready,
     )
     result: dict[str, Any] = {}
 
@@ -171,14 +179,34 @@ def run_live(
     probed = None
     try:
         assert ready.wait(90), "the live lab did not start"
-        time.sleep(probe_after)
-        probed = probe(lab)
+        if probe is not None:
+            wait_for_window(lab, thread, started[0] + settle)
+            probed = probe(lab)
     finally:
         thread.join(180)
     if "error" in result:
         raise result["error"]
     sent = [r for r in requests if r.arrival_seconds < duration]
     return lab, sent, (result["records"], probed)
+
+
+def wait_for_window(lab: LiveLab, run: threading.Thread, since: float) -> None:
+    """Until the exporter's window (its span back from its latest sample) starts at ``since``
+    or later; fails if the run ends first."""
+    assert lab.exporter is not None
+    seen: object = "no answer"
+    while run.is_alive():
+        try:
+            with urllib.request.urlopen(lab.exporter.url + "/api/v1/snapshot", timeout=10) as resp:
+                snapshot = json.loads(resp.read())
+        except OSError as exc:  # not listening yet on a busy machine
+            seen = exc
+        else:
+            seen = window = snapshot["window"]
+            if window["end_seconds"] - snapshot["window_seconds"] >= since:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the run ended before the exporter's window began at {since}: {seen}")
 
 
 def scrape(lab: LiveLab) -> Metrics:

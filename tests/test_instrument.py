@@ -1,5 +1,5 @@
-"""gpubalance.instrument.ServingMetrics pushing to an OTLP receiver on a tiny aiohttp app, and
-the example worker built on it."""
+"""gpubalance.instrument.ServingMetrics pushing to an OTLP receiver on the exporter's OTLP
+runner, and the example worker built on it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from opentelemetry.metrics import get_meter_provider
 
 from gpubalance.exporter.collectors.serving.base import ServingReading
 from gpubalance.exporter.collectors.serving.store import ServingStore
-from gpubalance.exporter.otlp import OtlpReceiver
+from gpubalance.exporter.otlp import OtlpReceiver, otlp_runner
 from gpubalance.instrument import EXPORT_TIMEOUT_SECONDS, ServingMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,13 +29,13 @@ HOUR = 3600.0  # an export interval that never fires during a test: pushes come 
 
 
 class Receiver:
-    """An OtlpReceiver at POST /v1/metrics on 127.0.0.1, served from a thread of its own."""
+    """An OtlpReceiver at POST /v1/metrics on 127.0.0.1 (a free port), served from a thread of
+    its own."""
 
     def __init__(self) -> None:
         self.store = ServingStore()
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(web.Application(), access_log=None)
-        self._runner.app.router.add_post("/v1/metrics", OtlpReceiver(self.store).handle)
+        self._runner = otlp_runner(OtlpReceiver(self.store))
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
         self._thread.start()

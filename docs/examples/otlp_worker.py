@@ -1,6 +1,6 @@
 """A toy serving worker that batches requests and reports its queue to gpubalance over OTLP.
 
-    python docs/examples/otlp_worker.py --exporter http://127.0.0.1:9450 [--port 8000]
+    python docs/examples/otlp_worker.py [--exporter http://127.0.0.1:4318] [--port 8000]
 
 ``POST /infer`` (header ``X-Tenant`` optional) waits for a batch of up to 8 requests or 10 ms,
 "runs" it for 5 ms + 1 ms per request, and answers with the batch size.
@@ -66,7 +66,11 @@ async def serve(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--exporter", default="http://127.0.0.1:9450", help="exporter base URL")
+    parser.add_argument(
+        "--exporter",
+        default="http://127.0.0.1:4318",
+        help="the exporter's OTLP listener",
+    )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--worker", default="example-worker", help="service.instance.id")
     parser.add_argument("--gpu", type=int, default=0, help="index of the GPU it serves")

@@ -6,6 +6,13 @@ controller later uses the same `RuntimeApi` on a production HAProxy. Nothing her
 rest of the lab, so the module can move out of it as is.
 
 Verified against HAProxy 2.6 (Debian bookworm); see docs/reference/balancing.md §4.
+
+HAProxy runs one thread (`nbthread 1`). A server's `maxconn` is one counter shared by all
+threads, but HAProxy 2.6 reads it and takes the slot in two steps (`assign_server_and_queue()`
+in src/backend.c); two threads can both see the last free slot, so a `maxconn 1` server takes
+two requests at once, or the loser waits in that server's own queue instead of the backend's.
+HAProxy 3.x takes the slot with one compare-and-swap. One thread keeps the slot count exact and
+carries far more requests than the lab sends.
 """
 
 from __future__ import annotations
@@ -125,7 +132,10 @@ class Backend:
     - `sticky`: the server named by the client's `SERVERID` cookie (`Backend.cookie_of`), round
       robin for requests without one; HAProxy sets no cookie, the client owns the assignment;
     - `pooled`: one central queue: each server takes at most `maxconn` requests (its
-      concurrency), the rest wait in the backend queue for the first free slot.
+      concurrency), the rest wait in the backend queue for the first free slot. Classes that
+      share workers share one backend (`Frontend.routes` maps each class to it), so they share
+      the workers' slots and one queue, first come first served; `HaproxyConfig` refuses a
+      worker with `maxconn` in two backends, where HAProxy would count its slots twice.
 
     Under any policy a request that waits in a queue longer than `queue_timeout_seconds` gets
     HAProxy's own 503; only servers with `maxconn` make requests wait.
@@ -236,6 +246,7 @@ class HaproxyConfig:
                         f"frontend {frontend.name} routes to backend {target!r}, "
                         f"which is not among {sorted(known)}"
                     )
+        _check_slots_shared(self.backends)
         ports = [f.port for f in self.frontends]
         if self.stats_port is not None:
             ports.append(self.stats_port)
@@ -258,6 +269,29 @@ class HaproxyConfig:
         return self.run_dir / "haproxy.sock"
 
 
+def _check_slots_shared(backends: tuple[Backend, ...]) -> None:
+    """A worker's `maxconn` is its concurrency, whatever backend a request came through.
+
+    HAProxy counts `maxconn` per server line, and a worker listed in two backends is two server
+    lines: it would take `maxconn` requests from each.
+    """
+    seen: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for backend in backends:
+        for server in backend.servers:
+            if server.maxconn is not None:
+                seen.setdefault((server.host, server.port), []).append(
+                    (backend.name, server.maxconn)
+                )
+    for (host, port), uses in seen.items():
+        if len(uses) > 1:
+            raise ValueError(
+                f"worker {host}:{port} has maxconn in backends "
+                f"{', '.join(name for name, _ in uses)}: HAProxy counts maxconn per backend, so "
+                f"it would take up to {sum(n for _, n in uses)} requests at once; route those "
+                "classes to one backend (Frontend.routes) so they share its slots"
+            )
+
+
 def render(config: HaproxyConfig) -> str:
     """The HAProxy config text: the same config always gives the same text."""
     lines = [
@@ -265,6 +299,8 @@ def render(config: HaproxyConfig) -> str:
         "global",
         f"    stats socket {config.socket_path} mode 600 level admin",
         f"    maxconn {config.maxconn}",
+        # a server's maxconn holds exactly with one thread only (see the module docstring)
+        "    nbthread 1",
         "",
         "defaults",
         "    mode http",

@@ -111,6 +111,7 @@ class LiveLab:
             engines=[FileLock(locks / f"gpu{g.index}") for g in self.plan.gpus],
         )
         self.exporter_port = free_port()
+        self.otlp_port = free_port()  # the exporter's OTLP listener, apart from its scrape port
         if self.metrics_formats is None:
             self.metrics_formats = (
                 ("vllm", "triton", "otlp") if self.start_exporter else ("vllm", "triton")
@@ -155,7 +156,7 @@ class LiveLab:
             io_mb_per_request=w.io_mb_per_request,
             port=free_port(),
             metrics_format=self.metrics_formats[w.index % len(self.metrics_formats)],
-            otlp_endpoint=f"http://127.0.0.1:{self.exporter_port}/v1/metrics",
+            otlp_endpoint=f"http://127.0.0.1:{self.otlp_port}/v1/metrics",
         )
 
     # -- processes ------------------------------------------------------------------------------
@@ -273,6 +274,8 @@ class LiveLab:
                     "exporter",
                     "--listen",
                     f"127.0.0.1:{port}",
+                    "--otlp-listen",
+                    f"127.0.0.1:{self.otlp_port}",
                     "--procfs",
                     str(self.procfs),
                     "--hostname",

@@ -47,6 +47,8 @@ def start_exporter(
                     "exporter",
                     "--listen",
                     "127.0.0.1:0",
+                    "--otlp-listen",  # never OTLP's fixed 4318: tests run side by side
+                    "127.0.0.1:0",
                     "--interval",
                     "0.2",
                     "--window",

@@ -123,12 +123,15 @@ def test_processes_without_utilization_samples_read_zero(nvml, collector) -> Non
     assert processes[200].gpu_memory_used_bytes == 2097152
 
 
+@pytest.mark.timing
 def test_stuck_gpu_is_stale_and_gets_no_second_worker(nvml) -> None:
     collector = GpuCollector(NvmlSession(), deadline_seconds=0.05)
     try:
         nvml.write({"device_count": 4})
         sample(collector)  # enumerated and probed while every GPU is fast
-        nvml.write({"device_count": 4, "gpu1.delay_us": 400_000})
+        # stuck far longer than the six samples below take (0.3 s unloaded), however busy the
+        # machine, so GPU 1 is still inside its one read at the last of them
+        nvml.write({"device_count": 4, "gpu1.delay_us": 3_000_000})
         nvml.lib.fakeNvmlResetCallCounts()
         for _ in range(6):
             gpus = sample(collector).gpus

@@ -1,5 +1,6 @@
-"""The OTLP receiver, mounted on a tiny aiohttp app of its own: encodings, temporalities, the
-merge into one reading per series, refusals, limits, a real OpenTelemetry SDK, and a fuzz."""
+"""The OTLP receiver on its own listener (the exporter's otlp_runner, in a thread): encodings,
+temporalities, the merge into one reading per series, refusals, limits, the token, a real
+OpenTelemetry SDK, and a fuzz."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import gzip
 import importlib.util
 import json
+import logging
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -19,6 +22,7 @@ from types import ModuleType
 
 import pytest
 from aiohttp import web
+from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -36,7 +40,10 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 
 from gpubalance.exporter.collectors.serving.store import ServingStore, StoredReading
-from gpubalance.exporter.otlp import JSON, PROTOBUF, OtlpLimits, OtlpReceiver
+from gpubalance.exporter.otlp import JSON, PROTOBUF, OtlpLimits, OtlpReceiver, otlp_runner
+from gpubalance.exporter.otlp.decode import decode
+from gpubalance.exporter.otlp.limits import Tally
+from gpubalance.exporter.otlp.series import SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPTH = "gpubalance.queue.depth"
@@ -166,11 +173,17 @@ class Served:
         self.url = url
 
     def post(
-        self, body: bytes, content_type: str = PROTOBUF, encoding: str | None = None
+        self,
+        body: bytes,
+        content_type: str = PROTOBUF,
+        encoding: str | None = None,
+        token: str | None = None,
     ) -> tuple[int, bytes, str]:
         headers = {"Content-Type": content_type}
         if encoding:
             headers["Content-Encoding"] = encoding
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         call = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(call, timeout=30) as response:
@@ -178,7 +191,13 @@ class Served:
         except urllib.error.HTTPError as error:
             return error.code, error.read(), error.headers["Content-Type"]
 
-    def push(self, message: ExportMetricsServiceRequest) -> ExportMetricsServiceResponse:
+    def push(
+        self, message: ExportMetricsServiceRequest, content_type: str = PROTOBUF
+    ) -> ExportMetricsServiceResponse:
+        if content_type == JSON:
+            status, body, _ = self.post(as_json(message), JSON)
+            assert status == 200, body
+            return json_format.Parse(body, ExportMetricsServiceResponse())
         status, body, _ = self.post(message.SerializeToString())
         assert status == 200, body
         return ExportMetricsServiceResponse.FromString(body)
@@ -188,12 +207,11 @@ class Served:
 
 
 @contextmanager
-def serve(receiver: OtlpReceiver, auto_decompress: bool = True) -> Iterator[Served]:
-    """``receiver.handle`` at POST /v1/metrics on 127.0.0.1, as the exporter mounts it."""
+def serve(receiver: OtlpReceiver) -> Iterator[Served]:
+    """``receiver`` on 127.0.0.1 (a free port), on the runner the exporter's listener uses."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
-    runner = web.AppRunner(web.Application(), auto_decompress=auto_decompress, access_log=None)
-    runner.app.router.add_post("/v1/metrics", receiver.handle)
+    runner = otlp_runner(receiver)
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -273,14 +291,12 @@ def test_pushes_of_different_instruments_merge_into_one_reading(served: Served) 
     assert (r.request_duration_seconds_sum, r.request_duration_seconds_count) == (0.0015, 3)
 
 
-@pytest.mark.parametrize("auto_decompress", [True, False], ids=["aiohttp-inflates", "we-inflate"])
-def test_gzip(auto_decompress: bool) -> None:
-    with serve(OtlpReceiver(ServingStore()), auto_decompress) as served:
-        assert served.post(gzip.compress(five().SerializeToString()), encoding="gzip")[0] == 200
-        assert served.post(gzip.compress(as_json(five())), JSON, "gzip")[0] == 200
-        assert served.readings()[W0_KEY].reading.queue_depth == 3
-        assert served.post(b"not gzip at all", encoding="gzip")[0] == 400
-        assert served.receiver.stats().requests["bad_compression"] == 1
+def test_gzip(served: Served) -> None:
+    assert served.post(gzip.compress(five().SerializeToString()), encoding="gzip")[0] == 200
+    assert served.post(gzip.compress(as_json(five())), JSON, "gzip")[0] == 200
+    assert served.readings()[W0_KEY].reading.queue_depth == 3
+    assert served.post(b"not gzip at all", encoding="gzip")[0] == 400
+    assert served.receiver.stats().requests["bad_compression"] == 1
 
 
 def test_cumulative_replaces_and_delta_adds(served: Served) -> None:
@@ -351,7 +367,33 @@ REFUSALS = [
     (b"", PROTOBUF, "deflate", 415, "unsupported_encoding", "Content-Encoding must be"),
     (b"\xff\xff\xff", PROTOBUF, None, 400, "malformed", "not an ExportMetricsServiceRequest"),
     (b"[1, 2]", JSON, None, 400, "malformed", "must be a JSON object"),
-    (b'{"resourceMetrics": {}}', JSON, None, 400, "malformed", "resourceMetrics must be a list"),
+    (b'{"resourceMetrics": {}}', JSON, None, 400, "malformed", "not an OTLP/JSON Export"),
+    # upb fails on a lone surrogate in a key with a SystemError
+    (b'{"resourceMetrics": [{"\\ud800": 1}]}', JSON, None, 400, "malformed", "lone surrogate"),
+    # json_format takes enum names (OTLP/JSON forbids them) and fails on Infinity
+    *(
+        (
+            b'{"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gpubalance.batch.size",'
+            b' "histogram": {"aggregationTemporality": %s}}]}]}]}' % temporality,
+            JSON,
+            None,
+            400,
+            "malformed",
+            "aggregationTemporality must be an integer",
+        )
+        for temporality in (b"Infinity", b"1.0", b'"AGGREGATION_TEMPORALITY_DELTA"')
+    ),
+    (
+        b'{"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gpubalance.batch.size",'
+        b' "histogram": {"dataPoints": [{"exemplars": [{"traceId": "AQID=="}]}]}}]}]}]}',
+        JSON,
+        None,
+        400,
+        "malformed",
+        "exemplar traceId must be hex",
+    ),
+    (b"{}", JSON, "br", 415, "unsupported_encoding", "must be gzip or identity"),
+    (b"{}", JSON, "zstd", 415, "unsupported_encoding", "must be gzip or identity"),
     (b"\xff{}", JSON, None, 400, "malformed", "not JSON"),
     (b"\0" * (4 * 1024 * 1024 + 1), PROTOBUF, None, 413, "too_large", "exceeds 4194304 bytes"),
     (
@@ -497,6 +539,7 @@ LIMITS = [
 ]
 
 
+@pytest.mark.parametrize("content_type", [PROTOBUF, JSON])
 @pytest.mark.parametrize(
     ("limits", "max_series", "metrics", "reason", "rejected", "kept"),
     LIMITS,
@@ -509,9 +552,10 @@ def test_each_limit_rejects_with_its_reason_and_keeps_the_rest(
     reason: str,
     rejected: int,
     kept: int,
+    content_type: str,
 ) -> None:
     with serve(OtlpReceiver(ServingStore(max_series), limits)) as served:
-        response = served.push(request(*metrics))
+        response = served.push(request(*metrics), content_type)
         assert response.partial_success.rejected_data_points == rejected
         assert served.receiver.stats().rejected_points == {reason: rejected}
         assert len(served.store) == kept
@@ -553,6 +597,110 @@ def test_body_and_metric_count_limits_refuse_the_request(content_type: str) -> N
             "decompressed_too_large": 1,
             "too_many_metrics": 1,
         }
+
+
+# -- OTLP/JSON: proto3's JSON mapping with the specification's deviations ---------------------
+
+
+def test_json_decodes_to_the_message_protobuf_carries() -> None:
+    """Hex trace and span ids (either case), enums as integers, 64-bit integers as numbers or
+    strings, lowerCamelCase keys (and the proto names the collector also takes)."""
+    expected = request(
+        histogram(DELAY, 0.5, 10, temporality=DELTA, time_unix_nano=2**62),
+        resource={"service.instance.id": "w0", "gpu.index": 3},
+    )
+    point = {
+        "timeUnixNano": 2**62,
+        "count": "10",
+        "sum": 0.5,
+        "exemplars": [
+            {
+                "asDouble": 0.1,
+                "traceId": bytes(range(16)).hex().upper(),
+                "span_id": "0001020304050607",
+            }
+        ],
+    }
+    body = json.dumps(
+        {
+            "resourceMetrics": [
+                {
+                    "resource": {
+                        "attributes": [
+                            {"key": "service.instance.id", "value": {"stringValue": "w0"}},
+                            {"key": "gpu.index", "value": {"intValue": 3}},
+                        ]
+                    },
+                    "scope_metrics": [
+                        {
+                            "metrics": [
+                                {
+                                    "name": DELAY,
+                                    "unit": "s",
+                                    "histogram": {
+                                        "aggregationTemporality": 1,
+                                        "dataPoints": [point],
+                                    },
+                                    "futureField": {"ignored": True},
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        }
+    ).encode()
+    tally = Tally.of(OtlpLimits())
+    assert decode(body, JSON, "", OtlpLimits(), tally, SPECS) == expected
+    assert (tally.over_budget, tally.ignored) == (0, {})
+
+
+def test_a_json_body_of_too_many_values_is_refused_and_protobuf_is_not() -> None:
+    with serve(OtlpReceiver(ServingStore(), OtlpLimits(max_json_values=50))) as served:
+        status, body, content_type = served.post(as_json(five()), JSON)
+        assert status == 413
+        assert "max_json_values" in message_of(body, content_type)
+        assert served.post(five().SerializeToString())[0] == 200
+
+
+# -- who may push ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "token",
+    [None, "", "s3cre7", "s3cre", "s3cret0"],
+    ids=["none", "empty", "wrong", "prefix", "longer"],
+)
+def test_without_the_token_a_push_gets_401_and_changes_nothing(token: str | None) -> None:
+    with serve(OtlpReceiver(ServingStore(), token="s3cret")) as served:
+        status, body, content_type = served.post(five().SerializeToString(), token=token)
+        assert status == 401
+        assert "token" in message_of(body, content_type)
+        assert len(served.store) == 0 and not served.store.statuses()
+        assert served.receiver.stats().requests == {"unauthorized": 1}
+        assert served.post(five().SerializeToString(), token="s3cret")[0] == 200
+        assert len(served.store) == 2
+
+
+def test_a_client_gone_mid_upload_costs_one_quiet_line(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = int(served.url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            b"Content-Length: 100000\r\n\r\n" + b"\0" * 1000
+        )
+    deadline = time.monotonic() + 10
+    while "disconnected" not in served.receiver.stats().requests:
+        assert time.monotonic() < deadline, served.receiver.stats()
+        time.sleep(0.01)
+    ours = [r for r in caplog.records if r.name.startswith("gpubalance")]
+    assert [(r.levelno, r.exc_info) for r in ours] == [(logging.DEBUG, None)]
+    assert "disconnected" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(served.store) == 0
 
 
 # -- a real OpenTelemetry SDK --------------------------------------------------------------------

@@ -175,6 +175,7 @@ def start(
             process = subprocess.Popen(
                 [
                     *(sys.executable, "-m", "gpubalance", "exporter", "--interval", "0.2"),
+                    *("--otlp-listen", "127.0.0.1:0"),  # never OTLP's fixed 4318
                     *("--window", "1", "--trend-window", "5", *flags),
                 ],
                 stdout=log,

@@ -1,4 +1,7 @@
-"""A simulator process rewriting the state never tears a struct a reader gets."""
+"""A simulator process rewriting the state never tears a struct a reader gets.
+
+The readers read until they have seen the state change enough times, however long a busy
+machine makes that take; the rewriter runs until they are done."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pynvml as N
+import pytest
 
 MiB = 1 << 20
 TOTAL = 48 << 30
@@ -35,12 +40,12 @@ def generation(g: int) -> dict[str, object]:
 REWRITER = (
     inspect.getsource(generation)
     + """
-import json, sys, time
+import json, os, sys
 from gpubalance.lab.fakenvml import write_state
 
-path, seconds = sys.argv[1], float(sys.argv[2])
-g, end = 0, time.monotonic() + seconds
-while time.monotonic() < end:
+path, stop = sys.argv[1], sys.argv[2]
+g = 0
+while not os.path.exists(stop):
     g += 1
     write_state(path, generation(g))
 print(json.dumps(g))
@@ -71,11 +76,13 @@ def check_device(h: object, generations: set[int]) -> list[str]:
     return bad
 
 
-def test_rewriter_process_and_reader_threads(nvml):
+@pytest.mark.timing
+def test_rewriter_process_and_reader_threads(nvml, tmp_path):
     nvml.write(generation(0))
     handles = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+    stop = tmp_path / "stop"
     rewriter = subprocess.Popen(
-        [sys.executable, "-c", REWRITER, str(nvml.state_path), "1.5"],
+        [sys.executable, "-c", REWRITER, str(nvml.state_path), str(stop)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -83,10 +90,15 @@ def test_rewriter_process_and_reader_threads(nvml):
     generations: set[int] = set()
     calls = [0]
     lock = threading.Lock()
+    deadline = time.monotonic() + 120
 
     def read() -> None:
+        # each reader until it has seen 21 generations in 500 calls or more
         local_bad, local_gens, n = [], set(), 0
-        while rewriter.poll() is None:
+        while (len(local_gens) <= 20 or n < 500) and rewriter.poll() is None:
+            if time.monotonic() > deadline:
+                local_bad.append(f"saw {len(local_gens)} generations in {n} calls by the deadline")
+                break
             for h in handles:
                 try:
                     local_bad += check_device(h, local_gens)
@@ -103,9 +115,9 @@ def test_rewriter_process_and_reader_threads(nvml):
         t.start()
     for t in readers:
         t.join()
+    stop.touch()
     rewrites = json.loads(rewriter.stdout.read())
     assert rewriter.wait() == 0
     assert violations == []
-    assert rewrites > 50
-    assert calls[0] > 2000
-    assert len(generations) > 20  # the readers really saw the file change
+    assert calls[0] >= 2000
+    assert rewrites > 20 and len(generations) > 20  # the readers really saw the file change

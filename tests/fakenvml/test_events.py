@@ -54,6 +54,7 @@ def test_unregistered_and_lost_devices_deliver_nothing(nvml, event_set):
     assert drain(event_set) == []
 
 
+@pytest.mark.timing
 def test_wait_times_out_then_wakes_for_a_new_xid(nvml, event_set):
     start = time.monotonic()
     with pytest.raises(N.NVMLError_Timeout):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from pathlib import Path
 
 import pynvml as N
 import pytest
@@ -135,8 +136,10 @@ def test_missing_or_unreadable_state_is_driver_not_loaded(nvml, monkeypatch, tmp
     N.nvmlInit()
 
 
+@pytest.mark.timing
 def test_delay_on_one_gpu_leaves_the_others_fast(nvml):
-    nvml.write({"device_count": 2, "gpu1.delay_us": 300_000})
+    # long enough that this thread, however starved, makes its calls within it
+    nvml.write({"device_count": 2, "gpu1.delay_us": 2_000_000})
     slow_handle, fast_handle = N.nvmlDeviceGetHandleByIndex(1), N.nvmlDeviceGetHandleByIndex(0)
     slow_took: list[float] = []
 
@@ -147,15 +150,20 @@ def test_delay_on_one_gpu_leaves_the_others_fast(nvml):
 
     thread = threading.Thread(target=slow_call)
     thread.start()
-    time.sleep(0.02)  # let the slow call reach its sleep
-    start = time.monotonic()
+    deadline = time.monotonic() + 10
+    while not in_nanosleep(thread):  # the slow call has reached its delay
+        assert thread.is_alive() and time.monotonic() < deadline, "the slow call never slept"
+        time.sleep(0.001)
     for _ in range(100):
         N.nvmlDeviceGetPowerUsage(fast_handle)
-    fast_took = time.monotonic() - start
-    assert thread.is_alive(), "the fast calls waited for the slow GPU"
+    assert in_nanosleep(thread), "the fast calls waited for the slow GPU"
     thread.join()
-    assert slow_took[0] >= 0.3
-    assert fast_took < 0.1
+    assert slow_took[0] >= 2.0
+
+
+def in_nanosleep(thread: threading.Thread) -> bool:
+    """The kernel has the thread waiting in nanosleep(2) (its wait channel)."""
+    return "nanosleep" in Path(f"/proc/self/task/{thread.native_id}/wchan").read_text()
 
 
 def test_unknown_key_warns_once(nvml, capfd):

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pynvml as N
+import pytest
 
 from gpubalance.lab.fakenvml import build_library, render_state, write_state
 
@@ -95,6 +96,7 @@ def test_call_counts_are_written_at_exit(tmp_path, run_python, fakenvml_env):
     }
 
 
+@pytest.mark.timing
 def test_fork_while_other_threads_are_inside_calls(nvml):
     # Reparsing a large state holds the lock for about a millisecond; a
     # rewriter keeps forcing reparses while callers hammer the library and the
@@ -133,7 +135,7 @@ def test_fork_while_other_threads_are_inside_calls(nvml):
             if pid == 0:
                 count = ctypes.c_uint()
                 os._exit(lib.nvmlDeviceGetCount_v2(ctypes.byref(count)))
-            deadline = time.monotonic() + 2
+            deadline = time.monotonic() + 10  # a child that hangs never exits
             while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
                 time.sleep(0.001)
             if done[0] == 0:

@@ -7,7 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.live
 def test_demo_shows_four_gpus_with_moving_values(fakenvml_dir, tmp_path) -> None:
     result = subprocess.run(
         [

@@ -12,6 +12,7 @@ import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import pytest
@@ -36,6 +37,8 @@ from gpubalance.lab.live.haproxy import (
     render,
 )
 
+F = TypeVar("F", bound=Callable[..., object])
+
 
 def _installed() -> bool:
     try:
@@ -45,9 +48,12 @@ def _installed() -> bool:
     return True
 
 
-needs_haproxy = pytest.mark.skipif(
-    not _installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
-)
+def needs_haproxy(test: F) -> F:
+    """A test that drives a real HAProxy (marker `haproxy`), skipped where none is installed."""
+    installed = pytest.mark.skipif(
+        not _installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
+    )
+    return pytest.mark.haproxy(installed(test))
 
 
 def free_port() -> int:
@@ -182,6 +188,7 @@ def test_render_is_plain_haproxy_text(tmp_path: Path) -> None:
         "global\n"
         "    stats socket /run/lab/haproxy.sock mode 600 level admin\n"
         "    maxconn 4096\n"
+        "    nbthread 1\n"
         "\n"
         "defaults\n"
         "    mode http\n"
@@ -270,6 +277,18 @@ def test_check_raises_with_haproxys_message(tmp_path: Path) -> None:
                 Path("/x" * 60),
             ),
             "shorter run_dir",
+        ),
+        (
+            lambda: HaproxyConfig(
+                (Frontend("fe", 1, "be_a", routes={"batch": "be_b"}),),
+                (
+                    Backend("be_a", (Server("gpu0", "h", 1, maxconn=4),), "pooled"),
+                    Backend("be_b", (Server("gpu0", "h", 1, maxconn=4),), "pooled"),
+                ),
+                Path("/run"),
+            ),
+            r"worker h:1 has maxconn in backends be_a, be_b.*up to 8 requests at once; route "
+            "those classes to one backend",
         ),
     ],
 )
@@ -381,45 +400,103 @@ def test_sticky_cookie_pins_to_the_named_server(tmp_path: Path) -> None:
 
 
 @needs_haproxy
-def test_pooled_queues_excess_then_rejects_after_queue_timeout(tmp_path: Path) -> None:
-    """Two pooled backends on one frontend: `X-Class: batch` waits long, the default briefly."""
+def test_pooled_classes_share_the_workers_slots_and_one_queue(tmp_path: Path) -> None:
+    """Two classes on the same workers: `X-Class: batch` and the default share one backend, so
+    a worker's `maxconn` counts both, and an interactive request waits behind batch work."""
 
     async def scenario() -> None:
         async with EchoServers(["s1", "s2"]) as echo:
-            pooled = echo.servers(s1={"maxconn": 1}, s2={"maxconn": 1})
+            backend = Backend(
+                "be_pool", echo.servers(s1={"maxconn": 1}, s2={"maxconn": 1}), "pooled"
+            )
             config = HaproxyConfig(
-                frontends=(Frontend("fe", free_port(), "be_short", routes={"batch": "be_long"}),),
-                backends=(
-                    Backend("be_long", pooled, "pooled", queue_timeout_seconds=60),
-                    Backend("be_short", pooled, "pooled", queue_timeout_seconds=0.2),
-                ),
+                frontends=(Frontend("fe", free_port(), "be_pool", routes={"batch": "be_pool"}),),
+                backends=(backend,),
                 run_dir=tmp_path,
             )
-            batch = {"X-Class": "batch"}
             async with running(config) as haproxy, aiohttp.ClientSession() as http:
-                held = [
-                    asyncio.create_task(fetch(http, url(config, "/hold"), batch)) for _ in range(3)
+                batch = [
+                    asyncio.create_task(fetch(http, url(config, "/hold"), {"X-Class": "batch"}))
+                    for _ in range(2)
                 ]
-                await echo.wait_held(2)  # one slot per server: the third waits in the queue
-                async with asyncio.timeout(20):
-                    while _row(haproxy.api, "be_long", "BACKEND").qcur != 1:
-                        await asyncio.sleep(0.02)
-                assert {_row(haproxy.api, "be_long", s).scur for s in ("s1", "s2")} == {1}
-
-                # be_short shares the busy workers but HAProxy counts slots per backend, so
-                # fill its own two slots first, then one more request times out in its queue
-                short = [asyncio.create_task(fetch(http, url(config, "/hold"))) for _ in range(2)]
-                await echo.wait_held(4)
-                async with http.get(url(config, "/hold")) as response:
-                    assert response.status == 503
-                    assert response.content_type == "text/html"  # HAProxy's page, no worker JSON
+                await echo.wait_held(2)
+                interactive = asyncio.create_task(fetch(http, url(config, "/hold")))
+                await _wait_queued(haproxy.api, "be_pool", 1)
+                rows = {s.svname: s for s in haproxy.api.show_stat("be_pool")}
+                assert dict(echo.held) == {"s1": 1, "s2": 1}
+                # the central queue holds it, not one server's own queue
+                assert [(rows[s].scur, rows[s].qcur) for s in ("s1", "s2")] == [(1, 0), (1, 0)]
 
                 echo.release.set()
-                answers = await asyncio.gather(*held, *short)
-                assert [status for status, _ in answers] == [200] * 5
-                assert _row(haproxy.api, "be_long", "BACKEND").stot == 3
+                answers = await asyncio.gather(*batch, interactive)
+                assert [status for status, _ in answers] == [200] * 3
+                rows = {s.svname: s for s in haproxy.api.show_stat("be_pool")}
+                assert (rows["s1"].smax, rows["s2"].smax, rows["BACKEND"].stot) == (1, 1, 3)
 
     asyncio.run(scenario())
+
+
+@needs_haproxy
+def test_pooled_rejects_after_queue_timeout(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with EchoServers(["s1"]) as echo:
+            backend = Backend(
+                "be", echo.servers(s1={"maxconn": 1}), "pooled", queue_timeout_seconds=0.2
+            )
+            config = one_backend(tmp_path, backend)
+            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+                held = asyncio.create_task(fetch(http, url(config, "/hold")))
+                await echo.wait_held(1)
+                async with http.get(url(config, "/hold")) as response:
+                    assert response.status == 503
+                    assert response.content_type == "text/html"  # HAProxy's page, no worker's
+                echo.release.set()
+                assert (await held)[0] == 200
+                assert _row(haproxy.api, "be", "BACKEND").hrsp_5xx == 1
+
+    asyncio.run(scenario())
+
+
+@needs_haproxy
+def test_pooled_bursts_never_exceed_maxconn(tmp_path: Path) -> None:
+    """Requests arriving together never share a slot: with several HAProxy threads 2.6 lets two
+    of them take the same server's last slot (see the haproxy module)."""
+    servers, burst = 4, 8
+
+    async def scenario() -> None:
+        async with EchoServers([f"s{i}" for i in range(servers)]) as echo:
+            limits = {name: {"maxconn": 1} for name in echo.names}
+            config = one_backend(tmp_path, Backend("be", echo.servers(**limits), "pooled"))
+            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+                for _ in range(25):
+                    echo.release.clear()
+                    sent = [
+                        asyncio.create_task(fetch(http, url(config, "/hold"))) for _ in range(burst)
+                    ]
+                    # every request of the burst is either held by a worker or queued
+                    async with asyncio.timeout(20):
+                        while True:
+                            rows = haproxy.api.show_stat("be")
+                            queued = sum(row.qcur or 0 for row in rows)
+                            if sum(echo.held.values()) + queued == burst:
+                                break
+                            await asyncio.sleep(0.005)
+                    assert dict(echo.held) == dict.fromkeys(echo.names, 1)
+                    assert {r.svname: r.qcur for r in rows if r.type == "server"} == dict.fromkeys(
+                        echo.names, 0
+                    )
+                    echo.release.set()
+                    assert [status for status, _ in await asyncio.gather(*sent)] == [200] * burst
+                smax = {r.svname: r.smax for r in haproxy.api.show_stat("be") if r.type == "server"}
+                assert smax == dict.fromkeys(echo.names, 1)
+
+    asyncio.run(scenario())
+
+
+async def _wait_queued(api: RuntimeApi, backend: str, count: int) -> None:
+    async with asyncio.timeout(20):
+        while _row(api, backend, "BACKEND").qcur != count:
+            await asyncio.sleep(0.02)
 
 
 @needs_haproxy
@@ -502,6 +579,14 @@ def test_runtime_api_sees_sessions_and_moves_traffic(tmp_path: Path) -> None:
                 assert (await hold)[0] == 200
 
     asyncio.run(scenario())
+
+
+@needs_haproxy
+def test_haproxy_runs_one_thread(tmp_path: Path) -> None:
+    # HAProxy 2.6 overshoots a server's maxconn when two threads take its last slot at once
+    config = one_backend(tmp_path, Backend("be", (Server("gpu0", "127.0.0.1", 19000),)))
+    with HaproxyProcess(config) as process:
+        assert "\nNbthread: 1\n" in process.api.command("show info")
 
 
 @needs_haproxy

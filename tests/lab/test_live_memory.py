@@ -15,10 +15,13 @@ from harness import run_live
 
 from gpubalance.lab.live.run import LiveLab
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
-    reason="HAProxy: sudo apt-get install haproxy",
-)
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.skipif(
+        shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
+        reason="HAProxy: sudo apt-get install haproxy",
+    ),
+]
 MIB = 1024 * 1024
 
 # Three GPUs, one worker each, w0 sent three times the requests of the others: its batches, and
@@ -80,7 +83,7 @@ def test_gpu_memory_follows_each_workers_kv(fakenvml_dir: Path) -> None:
         time.sleep(3)
         return [first, memory_against_kv(lab)]
 
-    _, _, (_, readings) = run_live(SKEWED, fakenvml_dir, probe, probe_after=3)
+    _, _, (_, readings) = run_live(SKEWED, fakenvml_dir, probe)
     for rows in readings:
         for gpu, (used, fixed, kv) in enumerate(rows):
             assert kv > 0, (gpu, rows)  # the allocator holds memory for the requests

@@ -2,6 +2,9 @@
 
 A fake worker speaks the worker's reply contract; each request's tenant tells it how to answer,
 so one request stream covers every outcome.
+
+Every test here runs on real clocks (marker `timing`); none bounds how late this process may be
+scheduled: lateness is compared with what the event loop itself measured.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,8 @@ from gpubalance.lab.live.haproxy import (
 from gpubalance.lab.live.loadgen import LoadResult, send_all
 from gpubalance.lab.workload import Request
 
+pytestmark = pytest.mark.timing
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -45,6 +51,8 @@ class FakeWorker:
         self.port = 0
         self.seen: list[tuple[dict[str, str], dict[str, object]]] = []
         self.release = asyncio.Event()
+        self.highest_id = -1
+        self._arrived = asyncio.Condition()
         self._runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> FakeWorker:
@@ -70,6 +78,9 @@ class FakeWorker:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((dict(request.headers), body))
+        self.highest_id = max(self.highest_id, body["id"])
+        async with self._arrived:
+            self._arrived.notify_all()
         enqueued_at = time.time()
         match body["tenant"]:
             case "oom" | "crashed":
@@ -86,6 +97,9 @@ class FakeWorker:
                 body["id"] += 1000
             case "hold":
                 await self.release.wait()
+            case "until_later":  # answered once a request of a higher id has arrived
+                async with self._arrived:
+                    await self._arrived.wait_for(lambda: self.highest_id > body["id"])
             case "slow":
                 await asyncio.sleep(0.1)
         started_at = time.time()
@@ -124,13 +138,36 @@ def assert_accounted(result: LoadResult, requests: Sequence[Request]) -> None:
     assert sum(report.failures.values()) == report.failed
 
 
+@dataclass
+class LoopStalls:
+    """How late this event loop woke a 5 ms sleeper, at worst: the time the process lost to the
+    machine (other processes, a busy core), the yardstick for the generator's own lateness."""
+
+    max_seconds: float = 0.0
+
+    async def watch(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            self.max_seconds = max(self.max_seconds, time.monotonic() - before - 0.005)
+
+
 def test_sends_on_schedule_at_200_per_second() -> None:
-    requests = [request(i, at=i / 200) for i in range(400)]
+    # each request is answered only once a later one has arrived (late sends may arrive out of
+    # order): a generator that waited for answers before sending on would never send the second
+    requests = [request(i, "until_later", at=i / 200) for i in range(399)]
+    requests.append(request(399, at=399 / 200))
+    stalls = LoopStalls()
 
     async def scenario() -> LoadResult:
         async with FakeWorker("w0", 0) as worker:
+            watching = asyncio.create_task(stalls.watch())
             origin = time.monotonic() + 0.2
-            return await send_all(requests, worker.url, clock_origin=origin)
+            try:
+                async with asyncio.timeout(60):
+                    return await send_all(requests, worker.url, clock_origin=origin)
+            finally:
+                watching.cancel()
 
     result = asyncio.run(scenario())
     assert_accounted(result, requests)
@@ -143,10 +180,11 @@ def test_sends_on_schedule_at_200_per_second() -> None:
         assert sent.arrival_seconds - 0.05 < sent.start_seconds <= sent.end_seconds
         assert (sent.gpu, sent.worker, sent.batch_size) == (0, "w0", 1)
     assert result.report.max_lag_seconds == pytest.approx(max(lags), abs=1e-3)
-    # unloaded the lag is about a millisecond; a 2-core machine shared with busy processes
-    # starves this process now and then (mean 0.12 s seen), hence bounds for gross faults only
-    assert result.report.mean_lag_seconds < 0.3, result.report
-    assert result.report.max_lag_seconds < 2.0, result.report
+    assert result.report.mean_lag_seconds == pytest.approx(sum(lags) / len(lags), abs=1e-3)
+    # late only by as much as the loop was kept from running (a busy machine starves it): once
+    # while the send waits, once more in the loop pass that catches up with what piled up
+    # meanwhile, plus the few milliseconds a send takes; no lateness of the generator's making
+    assert result.report.max_lag_seconds <= 2 * stalls.max_seconds + 0.05, (result.report, stalls)
 
 
 def test_every_outcome_is_mapped_and_counted() -> None:
@@ -159,29 +197,34 @@ def test_every_outcome_is_mapped_and_counted() -> None:
         ("error500", "failed"),
         ("garbage", "failed"),
         ("wrong_id", "failed"),
-        ("hold", "failed"),  # past timeout_seconds
     ]
     requests = [request(i, tenant) for i, (tenant, _) in enumerate(tenants)]
+    # never answered: its own send, with a short timeout, so the others' answers have as long
+    # as they need however busy the machine
+    held = [request(len(tenants), "hold")]
 
-    async def scenario() -> LoadResult:
+    async def scenario() -> list[LoadResult]:
         async with FakeWorker("w0", 0) as worker:
-            return await send_all(
-                requests, worker.url, clock_origin=time.monotonic(), timeout_seconds=1.0
+            origin = time.monotonic()
+            return await asyncio.gather(
+                send_all(requests, worker.url, clock_origin=origin),
+                send_all(held, worker.url, clock_origin=origin, timeout_seconds=0.5),
             )
 
-    result = asyncio.run(scenario())
+    result, timed_out = asyncio.run(scenario())
     assert_accounted(result, requests)
     assert [r.outcome for r in result.records] == [outcome for _, outcome in tenants]
     report = result.report
-    assert (report.ok, report.oom, report.rejected, report.failed) == (1, 1, 3, 4)
+    assert (report.ok, report.oom, report.rejected, report.failed) == (1, 1, 3, 3)
     assert report.rejections == {"overloaded": 1, "crashed": 1, "balancer": 1}
     assert report.failures == {
         "HTTP 500": 1,
         "200 reply not a JSON object": 1,
         "200 reply for another id": 1,
-        "timeout": 1,
     }
-    for record in result.records:
+    assert_accounted(timed_out, held)
+    assert (timed_out.report.failed, timed_out.report.failures) == (1, {"timeout": 1})
+    for record in result.records + timed_out.records:
         assert record.end_seconds is not None and record.end_seconds >= record.arrival_seconds
         if record.outcome != "ok":
             assert (record.start_seconds, record.gpu, record.worker) == (None, None, None)
@@ -256,6 +299,7 @@ def _installed() -> bool:
     return True
 
 
+@pytest.mark.haproxy
 @pytest.mark.skipif(not _installed(), reason=f"haproxy is not installed: {APT_INSTALL}")
 def test_through_haproxy_sticky_and_pooled_rejection(tmp_path: Path) -> None:
     """Sticky cookies pick the worker; a full pooled backend answers HAProxy's own 503."""
