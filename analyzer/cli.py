@@ -129,20 +129,15 @@ def _classifier(spec: Sequence[str]) -> Classifier:
 
 
 def _load_model(path: Path) -> Classifier:
-    """The learned model, from the module that trains and persists it (with skops)."""
+    """The learned model, as `gpubalance analyzer train` wrote it (skops)."""
+    from gpubalance.analyzer import model
+
     if not path.is_file():
         raise DiagnoseError(f"--classifier model {path}: no such file")
     try:
-        from gpubalance.analyzer import model  # type: ignore[attr-defined]
-    except ImportError:
-        raise DiagnoseError(
-            f"--classifier model {path}: this gpubalance has no learned model yet; "
-            "use baseline-queue"
-        ) from None
-    try:
-        return model.load(path)  # type: ignore[no-any-return]
-    except (OSError, ValueError) as exc:
-        raise DiagnoseError(f"--classifier model {path}: {exc}") from None
+        return model.load(path)
+    except model.ModelError as exc:
+        raise DiagnoseError(f"--classifier model {exc}") from None
 
 
 def _frames(source: str, window_seconds: float) -> list[GpuFrame]:

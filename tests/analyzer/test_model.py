@@ -93,3 +93,35 @@ def test_scores_of_a_perfect_and_a_wrong_answer() -> None:
     wrong = ["balanced/none", "starved/low_demand", "overloaded/routing_skew"]
     assert scores(truth, wrong)["state_macro_f1"] == 1.0
     assert scores(truth, wrong)["cause_accuracy"] == 0.5
+
+
+def test_diagnose_judges_with_a_trained_model(
+    dataset: Dataset, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpubalance.cli import main
+    from gpubalance.lab import run as lab_run
+
+    fitted = GpuStateClassifier(max_iter=20).fit(dataset.table, dataset.labels)
+    path = tmp_path / "model.skops"
+    model.save(path, fitted, {})
+    out = tmp_path / "run"
+    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 120, 5, out)
+    capsys.readouterr()
+    assert main(["diagnose", "--from", str(out), "--classifier", "model", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "routing_skew" in table
+    (tmp_path / "foreign.skops").write_bytes(b"not a model")
+    assert (
+        main(
+            [
+                "diagnose",
+                "--from",
+                str(out),
+                "--classifier",
+                "model",
+                str(tmp_path / "foreign.skops"),
+            ]
+        )
+        == 2
+    )
+    assert "not a gpubalance model file" in capsys.readouterr().err
