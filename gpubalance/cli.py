@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "exporter": ("gpubalance.exporter.cli", "run the host exporter (NVML, /proc, serving signals)"),
     "top": ("gpubalance.exporter.top", "live terminal view of an exporter's GPUs"),
     "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
+    "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
 }
 
 

@@ -1,0 +1,1 @@
+"""The analyzer: telemetry windows in, a verdict per GPU (starved, overloaded, balanced) out."""

@@ -1,0 +1,154 @@
+"""The learned part: a classifier from a GPU's features to its joint label "state/cause".
+
+Gradient-boosted trees (scikit-learn's HistGradientBoostingClassifier: NaN-aware, so "the
+telemetry does not say" stays a value of its own) over :data:`~gpubalance.analyzer.features.
+COLUMNS`. Persisted with skops, never pickle: loading a pickle runs code, loading a skops file
+only rebuilds the types it lists, and :func:`load` refuses any type outside scikit-learn and
+numpy, and any file written for other feature columns or another format version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpubalance.analyzer.features import COLUMNS, FeatureTable
+
+FORMAT = "gpubalance.analyzer.model/v1"
+
+
+class ModelError(Exception):
+    """A model file that cannot be used; the message says why."""
+
+
+class GpuStateClassifier:
+    """Joint "state/cause" labels from a :class:`FeatureTable` (scikit-learn estimator style)."""
+
+    def __init__(
+        self,
+        max_iter: int = 300,
+        learning_rate: float = 0.08,
+        max_leaf_nodes: int = 31,
+        min_samples_leaf: int = 20,
+        l2_regularization: float = 1.0,
+        class_weight: str | None = "balanced",
+        random_state: int = 0,
+    ) -> None:
+        self.max_iter = max_iter
+        self.learning_rate = learning_rate
+        self.max_leaf_nodes = max_leaf_nodes
+        self.min_samples_leaf = min_samples_leaf
+        self.l2_regularization = l2_regularization
+        self.class_weight = class_weight
+        self.random_state = random_state
+
+    def get_params(self) -> dict[str, Any]:
+        return {
+            "max_iter": self.max_iter,
+            "learning_rate": self.learning_rate,
+            "max_leaf_nodes": self.max_leaf_nodes,
+            "min_samples_leaf": self.min_samples_leaf,
+            "l2_regularization": self.l2_regularization,
+            "class_weight": self.class_weight,
+            "random_state": self.random_state,
+        }
+
+    def fit(self, table: FeatureTable, labels: Sequence[str]) -> GpuStateClassifier:
+        from sklearn.ensemble import HistGradientBoostingClassifier
+
+        if table.columns != COLUMNS:
+            raise ValueError("the table's columns are not this version's feature columns")
+        if len(labels) != len(table.frames):
+            raise ValueError(f"{len(labels)} labels for {len(table.frames)} rows")
+        estimator = HistGradientBoostingClassifier(
+            max_iter=self.max_iter,
+            learning_rate=self.learning_rate,
+            max_leaf_nodes=self.max_leaf_nodes,
+            min_samples_leaf=self.min_samples_leaf,
+            l2_regularization=self.l2_regularization,
+            class_weight=self.class_weight,
+            early_stopping=False,
+            random_state=self.random_state,
+        )
+        estimator.fit(table.values, np.asarray(labels))
+        self.estimator_ = estimator
+        self.classes_ = estimator.classes_
+        self.feature_names_in_ = np.asarray(COLUMNS)
+        self.n_features_in_ = len(COLUMNS)
+        return self
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        self._check(table)
+        if not len(table.frames):
+            return np.zeros((0, len(self.classes_)))
+        return self.estimator_.predict_proba(table.values)
+
+    def predict(self, table: FeatureTable) -> np.ndarray:
+        proba = self.predict_proba(table)
+        return self.classes_[np.argmax(proba, axis=1)] if len(proba) else np.asarray([], str)
+
+    def _check(self, table: FeatureTable) -> None:
+        if not hasattr(self, "estimator_"):
+            raise ModelError("the classifier is not fitted")
+        if tuple(self.feature_names_in_) != table.columns:
+            raise ModelError("the table's feature columns differ from the model's")
+
+
+@dataclass(frozen=True, slots=True)
+class SavedModel:
+    classifier: GpuStateClassifier
+    report: dict[str, Any]
+
+
+def save(path: Path, classifier: GpuStateClassifier, report: dict[str, Any]) -> None:
+    """Write the fitted estimator (skops) and, beside it, its report (JSON)."""
+    import skops.io as sio
+
+    if not hasattr(classifier, "estimator_"):
+        raise ModelError("the classifier is not fitted")
+    header = {"format": FORMAT, "columns": list(COLUMNS), "params": classifier.get_params()}
+    sio.dump({"header": json.dumps(header), "estimator": classifier.estimator_}, path)
+    path.with_suffix(".report.json").write_text(
+        json.dumps({**header, **report}, indent=2, sort_keys=True) + "\n"
+    )
+
+
+def load(path: Path) -> GpuStateClassifier:
+    """Read a model written by :func:`save`; refuse anything else, executing nothing."""
+    import skops.io as sio
+
+    try:
+        untrusted = sio.get_untrusted_types(file=path)
+    except Exception as exc:  # skops raises many kinds for a foreign file
+        raise ModelError(f"{path}: not a gpubalance model file ({exc})") from None
+    allowed = [t for t in untrusted if t.startswith(("sklearn.", "numpy."))]
+    refused = sorted(set(untrusted) - set(allowed))
+    if refused:
+        raise ModelError(f"{path}: holds types a gpubalance model never does: {', '.join(refused)}")
+    try:
+        content = sio.load(path, trusted=allowed)
+        header = json.loads(content["header"])
+        estimator = content["estimator"]
+    except Exception as exc:
+        raise ModelError(f"{path}: not a gpubalance model file ({exc})") from None
+    if header.get("format") != FORMAT:
+        raise ModelError(
+            f"{path}: model format {header.get('format')!r}, this gpubalance reads {FORMAT!r}; "
+            "retrain it with `gpubalance analyzer train`"
+        )
+    if tuple(header.get("columns", ())) != COLUMNS:
+        raise ModelError(
+            f"{path}: trained on other feature columns than this gpubalance computes; "
+            "retrain it with `gpubalance analyzer train`"
+        )
+    classifier = GpuStateClassifier(**header["params"])
+    classifier.estimator_ = estimator
+    classifier.classes_ = estimator.classes_
+    classifier.feature_names_in_ = np.asarray(COLUMNS)
+    classifier.n_features_in_ = len(COLUMNS)
+    return classifier

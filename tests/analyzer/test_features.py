@@ -1,0 +1,74 @@
+"""Features: a GPU against its peers and its own past, in units that carry across servers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
+from gpubalance.analyzer.frames import frames_from_samples
+from gpubalance.lab import run as lab_run
+from gpubalance.lab import scenario
+from gpubalance.lab.fast import ORIGIN_SECONDS
+from gpubalance.telemetry import Sample
+
+
+def _table(name: str, seconds: float, out: Path) -> FeatureTable:
+    samples: list[Sample] = []
+    lab_run.run(scenario.load(name), "fast", seconds, 1, out, on_sample=samples.append)
+    frames = frames_from_samples(
+        samples, window_seconds=30.0, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    return FeatureBuilder().transform(frames)
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory: pytest.TempPathFactory) -> FeatureTable:
+    return _table("skewed-heterogeneous", 240, tmp_path_factory.mktemp("skewed"))
+
+
+def test_one_row_per_frame_with_every_column(skewed: FeatureTable) -> None:
+    assert skewed.values.shape == (len(skewed.frames), len(COLUMNS))
+    assert len(set(COLUMNS)) == len(COLUMNS)
+    assert skewed.values.dtype == np.float64
+
+
+def test_the_default_target_stands_out_from_its_peers(skewed: FeatureTable) -> None:
+    late = [i for i, f in enumerate(skewed.frames) if f.t_start >= ORIGIN_SECONDS + 90]
+    hot = [i for i in late if skewed.frames[i].gpu == 0]
+    cold = [i for i in late if skewed.frames[i].gpu != 0]
+    queue_z = skewed.column("queue_peer_z")
+    assert min(queue_z[hot]) > 3 > max(queue_z[cold])
+    idle = skewed.column("idle_while_peer_queued")
+    assert max(idle[hot]) == 0.0  # the hot GPU has no queued peer
+    assert min(idle[cold]) > 0.3  # the cold ones idle while GPU 0 queues
+    share = skewed.column("throughput_share_vs_equal_ratio")
+    assert min(share[hot]) > 1.5 > max(share[cold])
+
+
+def test_a_lost_gpu_has_no_measured_features(tmp_path: Path) -> None:
+    table = _table("gpu-lost", 240, tmp_path)
+    rows = [
+        table.row(i)
+        for i, f in enumerate(table.frames)
+        if f.gpu == 2 and f.t_start >= ORIGIN_SECONDS + 180
+    ]
+    assert rows
+    for row in rows:
+        assert math.isnan(row["utilization_ratio"]) and math.isnan(row["queue_batches"])
+        assert row["coverage_ratio"] == 0.0
+
+
+def test_a_throttled_card_reads_its_clock(tmp_path: Path) -> None:
+    table = _table("thermal-throttle", 240, tmp_path)
+    clock = table.column("clock_ratio")
+    throttled = [
+        i for i, f in enumerate(table.frames) if f.gpu == 1 and f.t_start >= ORIGIN_SECONDS + 150
+    ]
+    others = [
+        i for i, f in enumerate(table.frames) if f.gpu != 1 and f.t_start >= ORIGIN_SECONDS + 150
+    ]
+    assert max(clock[throttled]) < 0.6 < min(clock[others])

@@ -1,0 +1,154 @@
+"""Frames: samples cut into windows, one frame per GPU, every event counted once."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gpubalance.analyzer.frames import GpuFrame, frames_from_samples, window_index
+from gpubalance.lab import run as lab_run
+from gpubalance.lab import scenario
+from gpubalance.lab.fast import ORIGIN_SECONDS
+from gpubalance.telemetry import Sample
+
+WINDOW = 30.0
+
+
+def _fast_run(name: str, seconds: float, out: Path) -> list[Sample]:
+    samples: list[Sample] = []
+    lab_run.run(scenario.load(name), "fast", seconds, 1, out, on_sample=samples.append)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Sample], Path]:
+    out = tmp_path_factory.mktemp("skewed")
+    return _fast_run("skewed-heterogeneous", 180, out), out
+
+
+def test_window_index_puts_a_sample_in_the_period_it_closes() -> None:
+    assert window_index(30.0, 0.0, WINDOW) == 0
+    assert window_index(30.5, 0.0, WINDOW) == 1
+    assert window_index(1.0, 0.0, WINDOW) == 0
+
+
+def test_one_frame_per_gpu_per_window(skewed: tuple[list[Sample], Path]) -> None:
+    samples, _ = skewed
+    frames = list(
+        frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    windows = sorted({f.t_start - ORIGIN_SECONDS for f in frames})
+    assert windows[:6] == [0.0, 30.0, 60.0, 90.0, 120.0, 150.0]
+    for start in windows[:6]:
+        assert sorted(f.gpu for f in frames if f.t_start - ORIGIN_SECONDS == start) == [0, 1, 2, 3]
+    first = [f for f in frames if f.t_start == ORIGIN_SECONDS]
+    assert all(f.sample_count == f.expected_sample_count == 30 for f in first)
+    assert all(f.serving_queues == 1 and f.feeder_processes == 1 for f in first)
+
+
+def test_completions_are_counted_once_across_windows(skewed: tuple[list[Sample], Path]) -> None:
+    samples, out = skewed
+    frames = list(
+        frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    end = samples[-1].timestamp_seconds - ORIGIN_SECONDS
+    with (out / "requests.csv").open() as f:
+        answered = [r for r in csv.DictReader(f) if r["outcome"] == "ok" and float(r["end"]) <= end]
+    by_gpu: dict[int, float] = {}
+    for frame in frames:
+        assert frame.completions_per_second is not None
+        # each window is differenced against the last sample before it: 30 s, the first 29 s
+        elapsed = frame.seconds if frame.t_start > ORIGIN_SECONDS else frame.seconds - 1.0
+        by_gpu[frame.gpu] = by_gpu.get(frame.gpu, 0.0) + frame.completions_per_second * elapsed
+    # the first sample's own completions are its baseline: at most one second's worth
+    expected = {g: sum(1 for r in answered if int(r["gpu"]) == g) for g in range(4)}
+    for gpu, count in expected.items():
+        assert count - 12 <= round(by_gpu[gpu]) <= count
+
+
+def test_the_skewed_server_shows_its_skew(skewed: tuple[list[Sample], Path]) -> None:
+    samples, _ = skewed
+    frames = [
+        f
+        for f in frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+        if f.t_start >= ORIGIN_SECONDS + 60
+    ]
+    hot = [f for f in frames if f.gpu == 0]
+    cold = [f for f in frames if f.gpu != 0]
+    assert min(f.queue_depth_mean or 0 for f in hot) > 3 * max(
+        f.queue_depth_mean or 0 for f in cold
+    )
+    assert min(f.completions_per_second or 0 for f in hot) > max(
+        f.completions_per_second or 0 for f in cold
+    )
+
+
+def test_a_gap_is_not_a_baseline(skewed: tuple[list[Sample], Path]) -> None:
+    samples, _ = skewed
+    # drop a whole window: the next window's counters start from its own first sample
+    kept = [s for s in samples if not 30 < s.timestamp_seconds - ORIGIN_SECONDS <= 60]
+    frames = list(
+        frames_from_samples(
+            kept, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    assert not [f for f in frames if f.t_start == ORIGIN_SECONDS + 30]
+    after = [f for f in frames if f.t_start == ORIGIN_SECONDS + 60]
+    full = [
+        f
+        for f in frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+        if f.t_start == ORIGIN_SECONDS + 60
+    ]
+    for gap, whole in zip(after, full, strict=True):
+        assert gap.completions_per_second is not None and whole.completions_per_second is not None
+        assert gap.completions_per_second == pytest.approx(whole.completions_per_second, rel=0.3)
+
+
+def test_partial_coverage_and_a_lost_gpu(tmp_path: Path) -> None:
+    samples = _fast_run("gpu-lost", 240, tmp_path)
+    # every other sample of the second window is missing
+    kept = [
+        s
+        for s in samples
+        if not (30 < s.timestamp_seconds - ORIGIN_SECONDS <= 60 and int(s.timestamp_seconds) % 2)
+    ]
+    frames = list(
+        frames_from_samples(
+            kept, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    second = [f for f in frames if f.t_start == ORIGIN_SECONDS + 30]
+    assert all(f.coverage_ratio == pytest.approx(0.5, abs=0.05) for f in second)
+    gpu2 = {f.t_start - ORIGIN_SECONDS: f for f in frames if f.gpu == 2}
+    assert not gpu2[90.0].lost and gpu2[150.0].lost and gpu2[210.0].lost
+    assert gpu2[210.0].sample_count == 0
+    assert gpu2[210.0].utilization_mean_ratio is None  # lost is not idle
+
+
+def test_samples_out_of_order_are_refused(skewed: tuple[list[Sample], Path]) -> None:
+    samples, _ = skewed
+    shuffled = [*samples[40:70], *samples[:10]]
+    with pytest.raises(ValueError, match="out of order"):
+        list(
+            frames_from_samples(
+                shuffled, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+            )
+        )
+
+
+def test_unknown_is_none_not_zero() -> None:
+    names = {f.name: f.type for f in dataclasses.fields(GpuFrame)}
+    # every measured figure can say "the telemetry does not tell"
+    for name in ("utilization_mean_ratio", "queue_depth_mean", "feeder_cpu_cores_max"):
+        assert "None" in str(names[name])

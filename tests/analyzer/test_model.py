@@ -1,0 +1,127 @@
+"""The learned classifier: trained on lab runs, saved without pickle, refused when foreign."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gpubalance.analyzer import model
+from gpubalance.analyzer.model import GpuStateClassifier, ModelError
+from gpubalance.analyzer.train import Dataset, Example, build_dataset, cross_validate, scores
+from gpubalance.lab import scenario
+
+NAMES = ("skewed-heterogeneous", "balanced-4x4090", "overprovisioned-fleet")
+
+
+@pytest.fixture(scope="module")
+def dataset() -> Dataset:
+    examples = [
+        Example(name, name, yaml.safe_load(scenario.scenario_path(name).read_text()), 1, 240.0)
+        for name in NAMES
+    ]
+    return build_dataset(examples, workers=1)
+
+
+def test_every_window_with_a_truth_is_labelled(dataset: Dataset) -> None:
+    assert len(dataset) == len(dataset.table.frames) == dataset.table.values.shape[0]
+    assert set(dataset.groups) == set(NAMES)
+    assert "starved/routing_skew" in dataset.labels and "balanced/none" in dataset.labels
+
+
+def test_the_same_seed_gives_the_same_model(dataset: Dataset) -> None:
+    a = GpuStateClassifier(max_iter=20, random_state=3).fit(dataset.table, dataset.labels)
+    b = GpuStateClassifier(max_iter=20, random_state=3).fit(dataset.table, dataset.labels)
+    assert np.array_equal(a.predict_proba(dataset.table), b.predict_proba(dataset.table))
+
+
+def test_a_saved_model_loads_and_predicts_the_same(dataset: Dataset, tmp_path: Path) -> None:
+    fitted = GpuStateClassifier(max_iter=20).fit(dataset.table, dataset.labels)
+    path = tmp_path / "model.skops"
+    model.save(path, fitted, {"data": "three shipped scenarios"})
+    loaded = model.load(path)
+    assert list(loaded.classes_) == list(fitted.classes_)
+    assert np.array_equal(loaded.predict_proba(dataset.table), fitted.predict_proba(dataset.table))
+    report = json.loads(path.with_suffix(".report.json").read_text())
+    assert report["format"] == model.FORMAT and report["data"] == "three shipped scenarios"
+
+
+def test_a_pickle_is_refused_and_not_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / "model.skops"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (Path.touch, (str(marker),))  # type: ignore[return-value]
+
+    path.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ModelError, match="not a gpubalance model file"):
+        model.load(path)
+    assert not marker.exists()
+
+
+def test_a_model_of_other_columns_is_refused(dataset: Dataset, tmp_path: Path) -> None:
+    import skops.io as sio
+
+    fitted = GpuStateClassifier(max_iter=5).fit(dataset.table, dataset.labels)
+    path = tmp_path / "old.skops"
+    header = {"format": model.FORMAT, "columns": ["utilization_ratio"], "params": {}}
+    sio.dump({"header": json.dumps(header), "estimator": fitted.estimator_}, path)
+    with pytest.raises(ModelError, match="other feature columns"):
+        model.load(path)
+    header = {"format": "gpubalance.analyzer.model/v0", "columns": [], "params": {}}
+    sio.dump({"header": json.dumps(header), "estimator": fitted.estimator_}, path)
+    with pytest.raises(ModelError, match="retrain it"):
+        model.load(path)
+
+
+def test_held_out_families_are_scored_each_in_turn(dataset: Dataset) -> None:
+    predicted, report = cross_validate(dataset, lambda: GpuStateClassifier(max_iter=10))
+    assert set(report["per_family"]) == set(NAMES)
+    assert len(predicted) == len(dataset)
+    assert report["confusion"]["labels"]
+
+
+def test_scores_of_a_perfect_and_a_wrong_answer() -> None:
+    truth = ["balanced/none", "starved/routing_skew", "overloaded/routing_skew"]
+    assert scores(truth, truth)["state_macro_f1"] == 1.0
+    assert scores(truth, truth)["cause_accuracy"] == 1.0
+    wrong = ["balanced/none", "starved/low_demand", "overloaded/routing_skew"]
+    assert scores(truth, wrong)["state_macro_f1"] == 1.0
+    assert scores(truth, wrong)["cause_accuracy"] == 0.5
+
+
+def test_diagnose_judges_with_a_trained_model(
+    dataset: Dataset, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpubalance.cli import main
+    from gpubalance.lab import run as lab_run
+
+    fitted = GpuStateClassifier(max_iter=20).fit(dataset.table, dataset.labels)
+    path = tmp_path / "model.skops"
+    model.save(path, fitted, {})
+    out = tmp_path / "run"
+    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 120, 5, out)
+    capsys.readouterr()
+    assert main(["diagnose", "--from", str(out), "--classifier", "model", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "routing_skew" in table
+    (tmp_path / "foreign.skops").write_bytes(b"not a model")
+    assert (
+        main(
+            [
+                "diagnose",
+                "--from",
+                str(out),
+                "--classifier",
+                "model",
+                str(tmp_path / "foreign.skops"),
+            ]
+        )
+        == 2
+    )
+    assert "not a gpubalance model file" in capsys.readouterr().err
