@@ -7,7 +7,10 @@ retyped families, swapped lines, truncation) and read with
 ``gpubalance.exporter.collectors.serving.formats.read``, a tenth of them through another
 format's adapter. Deterministic for a given seed, apart from time and memory figures.
 
-    python bench/fuzz.py [--exposition 100000] [--seed 0] [--trace-every 10]
+    python bench/fuzz.py [--exposition 100000] [--otlp 100000] [--seed 0] [--trace-every 10]
+
+Each part writes its own section of bench/RESULTS.md; a part given 0 inputs is skipped and
+keeps its section.
 """
 
 from __future__ import annotations
@@ -237,30 +240,44 @@ def report(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# What each part goes through; its section of RESULTS.md says when and how it last ran.
+PARTS = {
+    "exposition": ("/metrics texts", "the exposition adapters"),
+    "otlp": ("OTLP requests", "the OTLP receiver"),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--exposition", type=int, default=100_000, help="mutated /metrics texts to read"
+        "--exposition", type=int, default=100_000, help="mutated /metrics texts to read (0: skip)"
     )
-    parser.add_argument("--otlp", type=int, default=100_000, help="mutated OTLP requests")
+    parser.add_argument("--otlp", type=int, default=100_000, help="mutated OTLP requests (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--trace-every", type=int, default=10, help="read every k-th input under tracemalloc"
     )
     args = parser.parse_args()
     results: dict[str, dict[str, Any]] = {}
-    results["exposition"] = fuzz_exposition(args.exposition, args.seed, args.trace_every)
-    results["otlp"] = fuzz_otlp(args.otlp, args.seed)
+    if args.exposition:
+        results["exposition"] = fuzz_exposition(args.exposition, args.seed, args.trace_every)
+    if args.otlp:
+        results["otlp"] = fuzz_otlp(args.otlp, args.seed)
+    command = f"python bench/fuzz.py --exposition {args.exposition} --otlp {args.otlp}"
+    for part, result in results.items():  # a skipped part keeps its section as it was
+        inputs, through = PARTS[part]
+        # max RSS is of the process so far: the OTLP part's covers the exposition part's
+        after = part == "otlp" and "exposition" in results
+        shared = " (max RSS after the exposition part)" if after else ""
+        write_section(
+            f"fuzz-{part}",
+            f"Serving inputs: fuzzed {inputs}",
+            f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, seed {args.seed}, "
+            f"`{command}`{shared}. Mutated real inputs (byte flips, cuts, duplications, "
+            f"floods, hostile structures) through {through}: no input may raise anything but "
+            "a counted rejection, and memory stays bounded.\n\n" + report({part: result}),
+        )
     text = report(results)
-    write_section(
-        "fuzz",
-        "Serving inputs: fuzzed /metrics texts and OTLP requests",
-        f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, seed {args.seed}, "
-        f"`python bench/fuzz.py --exposition {args.exposition} --otlp {args.otlp}`. Mutated "
-        "real inputs (byte flips, cuts, duplications, floods, hostile structures) through the "
-        "exposition adapters and the OTLP receiver: no input may raise anything but a counted "
-        "rejection, and memory stays bounded.\n\n" + text,
-    )
     print(text)
     return 1 if any(r["crashes"] for r in results.values()) else 0
 
