@@ -10,7 +10,7 @@ FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`
 N ?= 5
 
-.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench clean
+.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak clean
 
 all: test
 
@@ -61,6 +61,11 @@ bench: venv system-deps fakenvml
 	$(PY) bench/lab.py
 	$(PY) bench/validation.py
 	$(PY) bench/fuzz.py --exposition $(FUZZ_INPUTS) --otlp $(FUZZ_INPUTS)
+
+# 30 minutes: too long for `make bench`; the tests run a 2-minute version
+soak: venv system-deps fakenvml
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) bench/soak.py --minutes 30
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

@@ -1,0 +1,96 @@
+"""bench/soak.py, shortened to 2 minutes: the exporter under churn keeps its RSS, open fds and
+threads flat once its history is full, and the load it measured under really ran."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1024 * 1024
+MINUTES, WARMUP_MINUTES = 2.0, 0.5
+# Over the 1.5 minutes after the warm-up: a leak of 1 KiB per OTLP push (50 KiB/s) passes it in
+# about 40 s, one of 5 KiB per scrape (8 a second) in about 50 s.
+RSS_GROWTH_BOUND_MIB = 2.0
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _soak_module()
+
+
+def _readings(rss_mib: list[float]) -> list:
+    return [
+        soak.Reading(10.0 * n, int(v * MIB), 11, 5, 0.0, 0, 0, 0, 0.0)
+        for n, v in enumerate(rss_mib)
+    ]
+
+
+def test_fit_sees_a_slow_leak_through_noise_and_ignores_one_spike() -> None:
+    rng = random.Random(3)
+    minutes = [n / 6 for n in range(61)]  # a reading every 10 s for 10 minutes
+    noise = [rng.uniform(-0.3, 0.3) for _ in minutes]
+    leaking = [60 + 0.5 * m + e for m, e in zip(minutes, noise, strict=True)]
+    leaking[40] += 30  # a burst of buffers at one reading
+    flat = [60 + e for e in noise]
+    flat[-1] += 30  # at the very end, where a least-squares line would tilt most
+
+    leak = soak.fit(_readings(leaking), "rss_bytes", warmup_seconds=60)
+    assert leak.slope_per_minute / MIB == pytest.approx(0.5, abs=0.1)
+    assert leak.growth / MIB == pytest.approx(0.5 * 9, abs=0.8)  # 9 minutes after the warm-up
+    steady = soak.fit(_readings(flat), "rss_bytes", warmup_seconds=60)
+    assert abs(steady.growth) / MIB < 0.8
+
+
+@pytest.mark.timeout(600)
+def test_two_minute_soak_grows_nothing(fakenvml_dir: Path, tmp_path: Path) -> None:
+    report_path = tmp_path / "soak.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "soak.py"),
+            *("--minutes", str(MINUTES), "--warmup", str(WARMUP_MINUTES)),
+            *("--sample-every", "2", "--window", "10", "--trend-window", "20"),
+            *("--max-rss-growth-mib", str(RSS_GROWTH_BOUND_MIB)),
+            *("--fakenvml-dir", str(fakenvml_dir), "--no-results", "--json", str(report_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    print(run.stdout, run.stderr, sep="\n")
+    report = json.loads(report_path.read_text())
+    load, fits = report["load"], report["fits"]
+    print(json.dumps({"fits": fits, "load": load}, indent=1))
+
+    # The load ran, at a quarter of its rates or better whatever else the machine is doing.
+    seconds = load["seconds"]
+    assert load["processes_appeared"] >= 10 * seconds / 4
+    assert load["otlp_statuses"] == {"200": load["otlp_statuses"]["200"]}
+    assert load["otlp_statuses"]["200"] >= 50 * seconds / 4
+    assert load["otlp_rejected_points"] == 0 and not load["otlp_errors"]
+    assert not load["scrape_failures"]
+    assert len(load["scrapes"]) == 5 and min(load["scrapes"].values()) >= 10
+    # NVML's PIDs found in the fake /proc, and the flaps seen by the exporter
+    assert load["processes_attributed"] >= 0.95 * load["processes_listed"] > 0
+    assert {"up", "slow", "down"} <= set(load["serving_phases"])
+    assert {"0", "1"} <= set(load["serving_up_seen"])
+
+    # Nothing grows after the warm-up (Theil-Sen fits over 45 readings).
+    assert fits["rss_bytes"]["growth"] < RSS_GROWTH_BOUND_MIB * MIB, report["summary"]
+    assert fits["fds"]["growth"] < 1, report["summary"]
+    assert fits["threads"]["growth"] < 1, report["summary"]
+    assert report["passed"] and run.returncode == 0, report["problems"]
