@@ -2,7 +2,8 @@
 
 `gpubalance lab list` shows the shipped scenarios; `gpubalance lab run SCENARIO` runs one (fast:
 discrete-event, hours in seconds; live: real time, fake NVML driver, real workers, real HAProxy)
-and writes frames.csv, truth.csv and requests.csv; `gpubalance lab demo` runs the live lab with
+and writes frames.csv, truth.csv and requests.csv; `gpubalance lab generate` writes many drawn
+variants of the scenario families (training data); `gpubalance lab demo` runs the live lab with
 the exporter and a live view; `gpubalance lab fakenvml build` compiles the fake driver.
 """
 
@@ -28,6 +29,16 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
     return value
 
 
@@ -64,6 +75,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write snapshots.jsonl (the exporter's /api/v1/snapshot schema)",
     )
+    gen = sub.add_parser(
+        "generate",
+        help="write drawn scenario variants of a family (the analyzer's training data)",
+        description="Write COUNT scenario files of a family (or of every family: --family all), "
+        "each valid and warning-free, with a header comment naming the family, the seed and "
+        "the drawn parameters. The same seed gives the same files. Families: "
+        "lab/scenarios/README.md, 'Generated families'.",
+    )
+    gen.add_argument(
+        "--family", required=True, metavar="FAMILY", help="a family's name, or all (each family)"
+    )
+    gen.add_argument("--count", type=_count, default=10, metavar="N", help="variants per family")
+    gen.add_argument("--seed", type=_seed, default=1, metavar="N")
+    gen.add_argument("--out", type=Path, required=True, metavar="DIR")
+    gen.add_argument(
+        "--duration",
+        type=_seconds,
+        metavar="SECONDS",
+        help="every variant's duration_seconds (default: drawn, 300-900 s)",
+    )
     fake = sub.add_parser("fakenvml", help="the fake NVML driver")
     fake_sub = fake.add_subparsers(dest="fakenvml_command", metavar="COMMAND", required=True)
     build = fake_sub.add_parser("build", help="compile libnvidia-ml.so.1 with gcc")
@@ -95,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.lab_command == "run":
         return _run(args)
+    if args.lab_command == "generate":
+        return _generate(args)
     if args.lab_command == "fakenvml":
         from gpubalance.lab.fakenvml import build_library
 
@@ -153,6 +186,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from gpubalance.lab import generate
+
+    try:
+        families = generate.family_names(args.family)
+    except ValueError as exc:
+        print(f"gpubalance lab: --family: {exc}", file=sys.stderr)
+        return 2
+    problem = _make_directory(args.out)
+    if problem is not None:
+        print(f"gpubalance lab: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
+    total = len(families) * args.count
+    with _counting(total, "scenarios") as advance:
+        for variant in generate.each(args.family, args.count, args.seed, args.duration):
+            generate.write([variant], args.out)
+            advance()
+    print(f"{total} scenarios ({len(families)} families x {args.count}) -> {args.out}")
+    return 0
+
+
 def _make_directory(out: Path) -> str | None:
     """Create --out before anything runs; what stands in the way, or None."""
     try:
@@ -188,3 +242,24 @@ def _progress(duration: float) -> Iterator[Callable[[Any], None] | None]:
             bar.update(task, completed=sample.timestamp_seconds - start[0])
 
         yield on_sample
+
+
+@contextlib.contextmanager
+def _counting(total: int, what: str) -> Iterator[Callable[[], None]]:
+    """A bar over ``total`` items on a terminal; nothing in pipes and CI."""
+    if not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    # on stderr, the stream checked above: stdout stays the command's output
+    with Progress(
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
