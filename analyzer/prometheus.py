@@ -29,7 +29,9 @@ Prometheus only has what the exporter exposes or what PromQL computes:
   come from ``increase()``: the window's own samples extrapolated to its edges, so counts can be
   fractional; a reset (a restarted worker) counts from zero. The snapshot path differences
   against the last sample before the window instead. The means (batch delay, request duration,
-  batch size) are ratios of two increases, in which the extrapolation cancels.
+  batch size) are ratios of two increases, in which the extrapolation cancels; they are means
+  over the events between the window's first and last scrape (those of the scrape interval
+  before the first are in no window's mean).
 - ``queue_depth_max`` sums each of the GPU's queues' maxima: equal to the maximum of their sum
   for one queue per GPU, an upper bound otherwise.
 - ``sm_clock_ratio`` is the mean SM clock over the last maximum clock, ``power_ratio`` the mean
