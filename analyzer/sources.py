@@ -1,4 +1,4 @@
-"""Where the analyzer's telemetry comes from: an exporter, or a recorded lab run.
+"""Where the analyzer's telemetry comes from: an exporter, a recorded lab run, or Prometheus.
 
 Every source ends in the same frames (:mod:`gpubalance.analyzer.frames`). Windows are aligned
 to multiples of the window length in Unix time for live sources (as a Prometheus range query's
@@ -11,9 +11,10 @@ import csv
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -121,3 +122,117 @@ def exporter_recording(url: str, history: int, timeout: float = 5.0) -> Recordin
 def complete_windows(frames: list[GpuFrame], now: float) -> Iterator[GpuFrame]:
     """The frames of windows that have ended by ``now`` (a live source's last one is open)."""
     return (f for f in frames if f.t_end <= now)
+
+
+class FrameSource(Protocol):
+    """Anything the analyzer reads frames from (see :func:`open_source`)."""
+
+    @property
+    def description(self) -> str: ...
+
+    def frames(
+        self,
+        start: float | None,
+        end: float | None,
+        window_seconds: float,
+        hosts: Sequence[str] | None = None,
+    ) -> list[GpuFrame]:
+        """Frames of the windows within ``[start, end]`` (None: as far as the source goes)."""
+        ...
+
+
+def _within(
+    frames: Iterable[GpuFrame],
+    start: float | None,
+    end: float | None,
+    hosts: Sequence[str] | None,
+) -> list[GpuFrame]:
+    return [
+        f
+        for f in frames
+        if (start is None or f.t_start >= start)
+        and (end is None or f.t_end <= end)
+        and (hosts is None or f.host in hosts)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ExporterSource:
+    """One exporter's snapshot history: the windows its last samples cover, the open one left
+    out."""
+
+    url: str
+    timeout: float = 5.0
+
+    @property
+    def description(self) -> str:
+        return f"exporter at {self.url}"
+
+    def frames(
+        self,
+        start: float | None,
+        end: float | None,
+        window_seconds: float,
+        hosts: Sequence[str] | None = None,
+    ) -> list[GpuFrame]:
+        snapshot = fetch_snapshot(self.url, 0, self.timeout)
+        # all the history it keeps: the exporter says how many samples that is
+        history = int(snapshot.trend_window_seconds / snapshot.interval_seconds) + 1
+        recording = exporter_recording(self.url, history, self.timeout)
+        last = recording.samples[-1].timestamp_seconds
+        return _within(complete_windows(recording.frames(window_seconds), last), start, end, hosts)
+
+
+@dataclass(frozen=True, slots=True)
+class LabRunSource:
+    """A recorded lab run directory (its snapshots, else its frames.csv)."""
+
+    directory: Path
+
+    @property
+    def description(self) -> str:
+        return f"lab run {self.directory}"
+
+    def frames(
+        self,
+        start: float | None,
+        end: float | None,
+        window_seconds: float,
+        hosts: Sequence[str] | None = None,
+    ) -> list[GpuFrame]:
+        return _within(lab_run_frames(self.directory, window_seconds), start, end, hosts)
+
+
+def open_source(url_or_dir: str, timeout: float = 5.0) -> FrameSource:
+    """What ``url_or_dir`` is: a Prometheus (or Thanos, Mimir) API, an exporter, or a lab run
+    directory; a SourceError that says what each probe found when it is none of them."""
+    if not url_or_dir.startswith(("http://", "https://")):
+        path = Path(url_or_dir)
+        if not path.is_dir():
+            raise SourceError(
+                f"{url_or_dir}: neither a URL (http://, https://) nor a lab run directory"
+            )
+        if not ((path / "snapshots.jsonl").is_file() or (path / "frames.csv").is_file()):
+            raise SourceError(
+                f"{path}: not a lab run directory (no snapshots.jsonl or frames.csv); "
+                "make one with `gpubalance lab run SCENARIO --out DIR`"
+            )
+        return LabRunSource(path)
+    # imported here: the Prometheus source raises this module's SourceError
+    from gpubalance.analyzer.prometheus import PrometheusSource
+
+    prometheus = PrometheusSource(url_or_dir, timeout=timeout)
+    try:
+        prometheus.build_info()
+        return prometheus
+    except SourceError as exc:
+        not_prometheus = str(exc)
+    try:
+        fetch_snapshot(url_or_dir, 0, timeout)
+        return ExporterSource(url_or_dir, timeout)
+    except SourceError as exc:
+        not_exporter = str(exc)
+    raise SourceError(
+        f"{url_or_dir}: neither a Prometheus API nor a gpubalance exporter answers there "
+        f"(as Prometheus: {not_prometheus}; as an exporter: {not_exporter})"
+    )

@@ -1,0 +1,695 @@
+"""Frames from the Prometheus HTTP API: a fleet of exporters in a few dozen range queries.
+
+:class:`PrometheusSource` asks a Prometheus (or Thanos Query, or Mimir: standard
+``/api/v1/query_range`` only, no admin API) for the exporter's native series, one query per
+figure for every host at once, evaluated at window ends aligned to multiples of the window in
+Unix time (what :func:`~gpubalance.analyzer.sources.exporter_recording` does with origin 0). Each
+query's ``[W]`` range covers one window; the answers are joined by (host, ``gpu``, ``uuid``), and
+serving queues and processes are mapped to their GPU by their labels, as the exporter does.
+
+A frame from here means what a frame from the exporter's snapshots means, except where
+Prometheus only has what the exporter exposes or what PromQL computes:
+
+- Gauges are the exporter's last background sample as of each scrape: Prometheus' view lags the
+  exporter's by up to one sampling interval, and scraping faster than the exporter samples
+  repeats samples. ``sample_count`` counts scrapes of the GPU; ``expected_sample_count`` comes
+  from ``scrape_interval_seconds`` when given, else from the ``up`` series (the most scrapes any
+  window of the asked range holds for the host, so pass the interval for short ranges).
+- ``utilization_mean_ratio`` and ``throttled_ratio`` come from the exporter's window gauges
+  (``gpubalance_gpu_utilization_ratio``, ``gpubalance_gpu_throttled_ratio``: figures over its
+  ``--window``), as Prometheus has no NVML samples: their last value in the window when the
+  exporter's window is at least the analysis window (exact when equal), else their mean, which
+  then reaches back up to one exporter window before ``t_start``.
+- ``utilization_p95_ratio`` is the 95th percentile of that gauge over the window, a percentile of
+  per-exporter-window means (smoother than one of NVML's samples); None unless the exporter's
+  window is at most a quarter of the analysis window, where it says something.
+- ``throttle_reasons`` holds the reasons active at some scrape (one active only between scrapes
+  is missed).
+- Counters (``completions_per_second``, ``allocation_failures`` and the per-request means)
+  come from ``increase()``: the window's own samples extrapolated to its edges, so counts can be
+  fractional; a reset (a restarted worker) counts from zero. The snapshot path differences
+  against the last sample before the window instead. The means (batch delay, request duration,
+  batch size) are ratios of two increases, in which the extrapolation cancels; they are means
+  over the events between the window's first and last scrape (those of the scrape interval
+  before the first are in no window's mean).
+- ``queue_depth_max`` sums each of the GPU's queues' maxima: equal to the maximum of their sum
+  for one queue per GPU, an upper bound otherwise.
+- ``sm_clock_ratio`` is the mean SM clock over the last maximum clock, ``power_ratio`` the mean
+  power over the mean limit: the snapshot path's mean ratios while the maximum and limit hold.
+- ``host`` is the ``instance`` label (or ``host_label``), not the exporter's ``--hostname``.
+- Prometheus 2 includes a sample exactly at ``t_start`` in the window (its ranges are closed);
+  the snapshot path and Prometheus 3 leave it to the window before.
+
+A ``NaN`` or infinite value (a NaN the exporter served, a division by zero) is None, as is a
+series missing from a window. Warnings of the answers (Thanos and Mimir report partial
+responses as warnings) are logged and kept in :attr:`PrometheusSource.last_warnings`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpubalance.analyzer.frames import SLOWDOWN_REASONS, GpuFrame
+from gpubalance.analyzer.sources import SourceError
+
+log = logging.getLogger(__name__)
+
+# Prometheus refuses a range query of more than 11,000 points per series (Thanos and Mimir
+# keep the limit): longer ranges go in pieces.
+MAX_STEPS = 10_000
+# windows fetched when no start is given: as many as the features look back over
+DEFAULT_WINDOWS = 20
+# the utilization percentile needs this many exporter windows per analysis window
+P95_MIN_EXPORTER_WINDOWS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Matrix:
+    """One range query's answer: each series' labels and its values at the query's steps."""
+
+    labels: tuple[Mapping[str, str], ...]
+    values: np.ndarray  # shape (series, steps); NaN where the series has no finite value
+
+
+def _duration(seconds: float) -> str:
+    milliseconds = round(seconds * 1000)
+    if milliseconds <= 0:
+        raise ValueError(f"a PromQL duration is at least 1 ms, got {seconds} s")
+    return f"{milliseconds // 1000}s" if milliseconds % 1000 == 0 else f"{milliseconds}ms"
+
+
+def _align(position: float, rounding: Callable[[float], int]) -> int:
+    """A window boundary at or after (ceil) or before (floor) ``position`` (in windows); a
+    position within 0.01 % of a window of a boundary is on it (float times drift)."""
+    nearest = round(position)
+    return nearest if abs(position - nearest) < 1e-4 else rounding(position)
+
+
+def _promql_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
+    """Every figure of a frame, one PromQL expression each (``select`` writes a selector)."""
+    slowdown = _promql_string("|".join(sorted(SLOWDOWN_REASONS)))
+    slowdowns = select("gpubalance_gpu_throttle_reason", f"reason=~{slowdown}")
+    clock, max_clock = (
+        select("gpubalance_gpu_clock_hertz", 'clock="sm"'),
+        select("gpubalance_gpu_max_clock_hertz", 'clock="sm"'),
+    )
+    power, limit = select("gpubalance_gpu_power_watts"), select("gpubalance_gpu_power_limit_watts")
+    utilization = select("gpubalance_gpu_utilization_ratio")
+    throttled = select("gpubalance_gpu_throttled_ratio")
+    memory = select("gpubalance_gpu_memory_used_bytes")
+    depth = select("gpubalance_queue_depth")
+    stalls = select(
+        "gpubalance_host_pressure_waiting_seconds_total", 'kind="some"', 'resource=~"cpu|io"'
+    )
+    queries = {
+        # GPUs
+        "info": f"last_over_time({select('gpubalance_gpu_info')}[{w}])",
+        "scrapes": f"count_over_time({select('gpubalance_gpu_lost')}[{w}])",
+        "lost": f"sum_over_time({select('gpubalance_gpu_lost')}[{w}])",
+        "utilization": f"avg_over_time({utilization}[{w}])",
+        "utilization_last": f"last_over_time({utilization}[{w}])",
+        "utilization_p95": f"quantile_over_time(0.95, {utilization}[{w}])",
+        "throttled": f"avg_over_time({throttled}[{w}])",
+        "throttled_last": f"last_over_time({throttled}[{w}])",
+        "reasons": f"max_over_time({slowdowns}[{w}]) > 0",
+        "memory_used": f"last_over_time({memory}[{w}])",
+        "memory_total": f"last_over_time({select('gpubalance_gpu_memory_total_bytes')}[{w}])",
+        "memory_slope": f"deriv({memory}[{w}])",
+        "clock": f"avg_over_time({clock}[{w}]) / last_over_time({max_clock}[{w}])",
+        "power": f"avg_over_time({power}[{w}]) / avg_over_time({limit}[{w}])",
+        "temperature": f"avg_over_time({select('gpubalance_gpu_temperature_celsius')}[{w}])",
+        # hosts
+        "exporter_window": (f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"),
+        "up": f"count_over_time({select('up')}[{w}])",
+        "cpu": (
+            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
+        ),
+        "pressure": f"rate({stalls}[{w}])",
+        # processes holding a GPU
+        "gpu_processes": (
+            f"count_over_time({select('gpubalance_gpu_process_memory_used_bytes')}[{w}])"
+        ),
+        "process_cpu": f"rate({select('gpubalance_process_cpu_seconds_total')}[{w}])",
+        "process_read": f"rate({select('gpubalance_process_read_bytes_total')}[{w}])",
+        # serving queues
+        "queue_depth": f"avg_over_time({depth}[{w}])",
+        "queue_depth_max": f"max_over_time({depth}[{w}])",
+        "queue_depth_slope": f"deriv({depth}[{w}])",
+        "running": f"avg_over_time({select('gpubalance_batch_running_requests')}[{w}])",
+        "allocation_failures": (
+            f"increase({select('gpubalance_memory_allocation_failures_total')}[{w}])"
+        ),
+    }
+    for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds"):
+        for part in ("sum", "count"):
+            queries[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
+    return queries
+
+
+SERVING_QUERIES = (
+    "queue_depth",
+    "queue_depth_max",
+    "queue_depth_slope",
+    "running",
+    "allocation_failures",
+    *(
+        f"{stem}_{part}"
+        for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds")
+        for part in ("sum", "count")
+    ),
+)
+
+
+def parse_matrix(body: Mapping[str, Any], first: float, step: float, steps: int) -> Matrix:
+    """A ``query_range`` answer's series on the grid ``first + k·step``, ``k < steps``."""
+    data = body.get("data")
+    if not isinstance(data, Mapping) or data.get("resultType") != "matrix":
+        kind = data.get("resultType") if isinstance(data, Mapping) else None
+        raise SourceError(f"expected a matrix from query_range, got resultType {kind!r}")
+    result = data.get("result") or []
+    try:
+        labels = tuple(series["metric"] for series in result)
+        counts = [len(series["values"]) for series in result]
+        points = [point for series in result for point in series["values"]]
+        # one conversion for all points: a fleet's answer holds millions of them
+        times = np.fromiter((p[0] for p in points), dtype=np.float64, count=len(points))
+        values = np.array([p[1] for p in points], dtype=np.float64)
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise SourceError(f"not a Prometheus matrix: {exc!r}") from None
+    matrix = np.full((len(result), steps), np.nan)
+    columns = np.rint((times - first) / step).astype(np.int64)
+    rows = np.repeat(np.arange(len(result)), counts)
+    inside = (columns >= 0) & (columns < steps)
+    matrix[rows[inside], columns[inside]] = values[inside]
+    matrix[~np.isfinite(matrix)] = np.nan
+    return Matrix(labels, matrix)
+
+
+class PrometheusSource:
+    """Frames of every GPU of every host an exporter reports to a Prometheus.
+
+    ``url`` is the API's base (``http://prometheus:9090``, Mimir's
+    ``http://mimir/prometheus``); ``selector`` adds label matchers to every query
+    (``job="gpubalance"``); ``host_label`` names the label that tells hosts apart.
+    ``headers`` go with every request (Mimir's ``X-Scope-OrgID``), and ``bearer_token`` as
+    ``Authorization: Bearer``. ``partial_response`` is sent to Thanos when set.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        bearer_token: str | None = None,
+        selector: str = "",
+        host_label: str = "instance",
+        scrape_interval_seconds: float | None = None,
+        partial_response: bool | None = None,
+        max_workers: int = 8,
+    ) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.headers = headers
+        self.bearer_token = bearer_token
+        self.selector = selector
+        self.host_label = host_label
+        self.scrape_interval_seconds = scrape_interval_seconds
+        self.partial_response = partial_response
+        self.max_workers = max_workers
+        self.last_warnings: tuple[str, ...] = ()
+
+    @property
+    def description(self) -> str:
+        return f"Prometheus API at {self.url}"
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _request(self, path: str, form: Mapping[str, str] | None = None) -> dict[str, Any]:
+        target = self.url.rstrip("/") + path
+        headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
+        if self.bearer_token:
+            headers["Authorization"] = f"Bearer {self.bearer_token}"
+        headers.update(self.headers or {})
+        data = None
+        if form is not None:
+            data = urllib.parse.urlencode(form).encode()
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+        request = urllib.request.Request(target, data=data, headers=headers)
+        what = f"{target} ({form['query'][:120]})" if form and "query" in form else target
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+                encoding = response.headers.get("Content-Encoding")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            if exc.headers.get("Content-Encoding") == "gzip":
+                raw = gzip.decompress(raw)
+            raise SourceError(f"{what}: HTTP {exc.code}: {_error_text(raw)}") from None
+        except TimeoutError:
+            raise SourceError(f"{what}: no answer within {self.timeout} s") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise SourceError(f"{target}: cannot reach Prometheus: {reason}") from None
+        try:
+            body = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+        except (ValueError, OSError) as exc:
+            raise SourceError(f"{what}: not a Prometheus API answer: {exc}") from None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            raise SourceError(f"{what}: {_error_text(raw)}")
+        return body
+
+    def build_info(self) -> dict[str, Any]:
+        """``/api/v1/status/buildinfo``: what answers (Prometheus, Thanos and Mimir have it)."""
+        data = self._request("/api/v1/status/buildinfo").get("data")
+        if not isinstance(data, dict):
+            raise SourceError(f"{self.url}: buildinfo without data")
+        return data
+
+    def query_range(
+        self, query: str, first_end: float, step: float, steps: int
+    ) -> tuple[Matrix, list[str]]:
+        """One range query evaluated at ``first_end + k·step``, in pieces Prometheus accepts."""
+        parts: list[Matrix] = []
+        warnings: list[str] = []
+        for offset in range(0, steps, MAX_STEPS):
+            count = min(MAX_STEPS, steps - offset)
+            start = first_end + offset * step
+            form = {
+                "query": query,
+                "start": repr(start),
+                "end": repr(start + (count - 1) * step),
+                "step": repr(step),
+                "timeout": _duration(self.timeout),
+            }
+            if self.partial_response is not None:
+                form["partial_response"] = "true" if self.partial_response else "false"
+            body = self._request("/api/v1/query_range", form)
+            for key in ("warnings", "infos"):
+                warnings.extend(str(w) for w in body.get(key) or ())
+            try:
+                parts.append(parse_matrix(body, start, step, count))
+            except SourceError as exc:
+                raise SourceError(f"{self.url} ({query[:120]}): {exc}") from None
+        return _join_steps(parts), warnings
+
+    # -- frames ----------------------------------------------------------------------------------
+
+    def frames(
+        self,
+        start: float | None,
+        end: float | None,
+        window_seconds: float,
+        hosts: Sequence[str] | None = None,
+    ) -> list[GpuFrame]:
+        """Frames of the windows ``[k·W, (k+1)·W)`` that lie within ``[start, end]``.
+
+        ``end`` None is now; ``start`` None is :data:`DEFAULT_WINDOWS` windows before ``end``.
+        ``hosts`` limits the answer to those values of the host label. In time order, then host
+        and GPU; a GPU has a frame in each window where the exporter reported it.
+        """
+        if not window_seconds > 0:
+            raise ValueError(f"window_seconds must be > 0, got {window_seconds}")
+        w = window_seconds
+        end = time.time() if end is None else end
+        start = end - DEFAULT_WINDOWS * w if start is None else start
+        first = _align(start / w, math.ceil)  # the first window's index
+        steps = _align(end / w, math.floor) - first
+        first_end = (first + 1) * w
+        if steps <= 0 or (hosts is not None and not hosts):
+            self.last_warnings = ()
+            return []
+        matchers = [m for m in (self.selector.strip(),) if m]
+        if hosts is not None:
+            pattern = "|".join(re.escape(h) for h in hosts)
+            matchers.append(f"{self.host_label}=~{_promql_string(pattern)}")
+
+        def select(metric: str, *extra: str) -> str:
+            inside = ",".join([*matchers, *extra])
+            return metric + "{" + inside + "}" if inside else metric
+
+        queries = _queries(select, _duration(w), self.host_label)
+        with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
+            futures = {
+                name: pool.submit(self.query_range, query, first_end, w, steps)
+                for name, query in queries.items()
+            }
+            # every query runs to its end: the error raised is the first query's, whichever
+            # failed first
+            answers = {name: future.result() for name, future in futures.items()}
+        warnings: list[str] = []
+        for _, said in answers.values():
+            for text in said:
+                if text not in warnings:  # a store that is down warns in every answer
+                    warnings.append(text)
+        for warning in warnings:
+            log.warning("%s: %s", self.url, warning)
+        self.last_warnings = tuple(warnings)
+        matrices = {name: matrix for name, (matrix, _) in answers.items()}
+        return _Assembly(matrices, self.host_label, first_end, w, steps).frames(
+            self.scrape_interval_seconds
+        )
+
+
+def _error_text(raw: bytes) -> str:
+    """Prometheus' own words for a failed request (its JSON error, else the body's start)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw[:200].decode(errors="replace").strip() or "empty answer"
+    if isinstance(body, dict) and "error" in body:
+        return f"{body.get('errorType', 'error')}: {body['error']}"
+    return raw[:200].decode(errors="replace")
+
+
+def _key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+def _join_steps(parts: Sequence[Matrix]) -> Matrix:
+    if len(parts) == 1:
+        return parts[0]
+    rows: dict[tuple[tuple[str, str], ...], int] = {}
+    for part in parts:
+        for labels in part.labels:
+            rows.setdefault(_key(labels), len(rows))
+    widths = [p.values.shape[1] for p in parts]
+    values = np.full((len(rows), sum(widths)), np.nan)
+    column = 0
+    labels_of: dict[int, Mapping[str, str]] = {}
+    for part, width in zip(parts, widths, strict=True):
+        for i, labels in enumerate(part.labels):
+            row = rows[_key(labels)]
+            labels_of[row] = labels
+            values[row, column : column + width] = part.values[i]
+        column += width
+    return Matrix(tuple(labels_of[i] for i in range(len(rows))), values)
+
+
+def _none(value: float) -> float | None:
+    return None if value != value else value  # NaN is the only value not equal to itself
+
+
+class _Assembly:
+    """The answers of one ``frames`` call joined into arrays of (GPU, window)."""
+
+    def __init__(
+        self,
+        matrices: Mapping[str, Matrix],
+        host_label: str,
+        first_end: float,
+        window: float,
+        steps: int,
+    ) -> None:
+        self.m = matrices
+        self.host_label = host_label
+        self.first_end, self.window, self.steps = first_end, window, steps
+        info = matrices["info"]
+        gpus: dict[tuple[str, str, str], Mapping[str, str]] = {}
+        for labels in info.labels:
+            gpus.setdefault(self._gpu_key(labels), labels)
+        self.gpu_keys = sorted(gpus, key=lambda k: (k[0], _index(k[1]), k[2]))
+        self.gpu_labels = [gpus[k] for k in self.gpu_keys]
+        self.gpu_row = {key: row for row, key in enumerate(self.gpu_keys)}
+        self.by_uuid = {(h, u): row for row, (h, _, u) in enumerate(self.gpu_keys) if u}
+        self.by_index = {(h, g): row for row, (h, g, _) in enumerate(self.gpu_keys)}
+        self.hosts = sorted({h for h, _, _ in self.gpu_keys})
+        self.host_row = {host: row for row, host in enumerate(self.hosts)}
+        self.host_of_gpu = np.array([self.host_row[h] for h, _, _ in self.gpu_keys], dtype=int)
+
+    def _gpu_key(self, labels: Mapping[str, str]) -> tuple[str, str, str]:
+        return labels.get(self.host_label, ""), labels.get("gpu", ""), labels.get("uuid", "")
+
+    def _empty(self, rows: int) -> np.ndarray:
+        return np.full((rows, self.steps), np.nan)
+
+    def gpu(self, name: str) -> np.ndarray:
+        """A per-GPU query on the GPU rows."""
+        out = self._empty(len(self.gpu_keys))
+        matrix = self.m[name]
+        for i, labels in enumerate(matrix.labels):
+            row = self.gpu_row.get(self._gpu_key(labels))
+            if row is not None:
+                out[row] = np.where(np.isnan(out[row]), matrix.values[i], out[row])
+        return out
+
+    def host(self, name: str, **where: str) -> np.ndarray:
+        """A per-host query (the series whose labels hold ``where``) on the GPU rows."""
+        out = self._empty(len(self.hosts))
+        matrix = self.m[name]
+        for i, labels in enumerate(matrix.labels):
+            row = self.host_row.get(labels.get(self.host_label, ""))
+            if row is not None and all(labels.get(k) == v for k, v in where.items()):
+                out[row] = np.where(np.isnan(out[row]), matrix.values[i], out[row])
+        return out[self.host_of_gpu]
+
+    def _gpu_of(self, labels: Mapping[str, str]) -> int | None:
+        """The GPU a serving queue or process is on: by UUID when it has one, else by index."""
+        host = labels.get(self.host_label, "")
+        uuid = labels.get("uuid", "")
+        if uuid:
+            return self.by_uuid.get((host, uuid))
+        gpu = labels.get("gpu", "")
+        return self.by_index.get((host, gpu)) if gpu else None
+
+    def _serving(self) -> tuple[list[tuple[int, Mapping[str, str]]], dict[str, np.ndarray]]:
+        """The serving series on a GPU, and each serving query on those series' rows."""
+        rows: dict[tuple[tuple[str, str], ...], int] = {}
+        series: list[tuple[int, Mapping[str, str]]] = []
+        for name in SERVING_QUERIES:
+            for labels in self.m[name].labels:
+                key = _key(labels)
+                if key in rows:
+                    continue
+                gpu = self._gpu_of(labels)
+                if gpu is not None:
+                    rows[key] = len(series)
+                    series.append((gpu, labels))
+        values: dict[str, np.ndarray] = {}
+        for name in SERVING_QUERIES:
+            out = self._empty(len(series))
+            matrix = self.m[name]
+            for i, labels in enumerate(matrix.labels):
+                row = rows.get(_key(labels))
+                if row is not None:
+                    out[row] = matrix.values[i]
+            values[name] = out
+        return series, values
+
+    def _sum_on_gpus(self, gpu_of: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Per GPU and window, the sum over its series that have a value (NaN when none has)."""
+        total = np.zeros((len(self.gpu_keys), self.steps))
+        seen = np.zeros((len(self.gpu_keys), self.steps), dtype=bool)
+        present = ~np.isnan(values)
+        np.add.at(total, gpu_of, np.where(present, values, 0.0))
+        np.logical_or.at(seen, gpu_of, present)
+        total[~seen] = np.nan
+        return total
+
+    def _by_pid(self, name: str) -> dict[tuple[str, str], np.ndarray]:
+        matrix = self.m[name]
+        return {
+            (labels.get(self.host_label, ""), labels.get("pid", "")): matrix.values[i]
+            for i, labels in enumerate(matrix.labels)
+        }
+
+    def _feed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Processes per GPU, the busiest one's cores, and their summed read rate."""
+        listed = self.m["gpu_processes"]
+        cpu, read = self._by_pid("process_cpu"), self._by_pid("process_read")
+        count = np.zeros((len(self.gpu_keys), self.steps))
+        cores = self._empty(len(self.gpu_keys))
+        reads = np.zeros((len(self.gpu_keys), self.steps))
+        read_seen = np.zeros((len(self.gpu_keys), self.steps), dtype=bool)
+        nothing = np.full(self.steps, np.nan)
+        for i, labels in enumerate(listed.labels):
+            gpu = self._gpu_of(labels)
+            if gpu is None:
+                continue
+            on = ~np.isnan(listed.values[i])
+            count[gpu] += on
+            pid = (labels.get(self.host_label, ""), labels.get("pid", ""))
+            mine = np.where(on, cpu.get(pid, nothing), np.nan)
+            cores[gpu] = np.fmax(cores[gpu], mine)
+            rate = np.where(on, read.get(pid, nothing), np.nan)
+            reads[gpu] += np.nan_to_num(rate)
+            read_seen[gpu] |= ~np.isnan(rate)
+        reads[~read_seen] = np.nan
+        return count, cores, reads
+
+    def frames(self, scrape_interval: float | None) -> list[GpuFrame]:
+        if not self.gpu_keys:
+            return []
+        w = self.window
+        present = ~np.isnan(self.gpu("info"))
+        scrapes = np.nan_to_num(self.gpu("scrapes"))
+        lost = np.nan_to_num(self.gpu("lost"))
+        if scrape_interval is not None:
+            expected = np.full(len(self.gpu_keys), max(1, round(w / scrape_interval)))
+        else:
+            # the scrapes attempted in the fullest window, failed ones included
+            attempted = np.nanmax(np.fmax(self.host("up"), scrapes), axis=1)
+            expected = np.maximum(1, np.nan_to_num(attempted)).astype(int)
+        exporter_window = self.host("exporter_window")
+        whole = exporter_window >= w * (1 - 1e-6)  # the gauge covers the analysis window
+        utilization = np.where(whole, self.gpu("utilization_last"), self.gpu("utilization"))
+        # a percentile where the mean is unknown (a NaN reading) would be a guess
+        p95 = np.where(
+            (exporter_window * P95_MIN_EXPORTER_WINDOWS <= w * (1 + 1e-6)) & ~np.isnan(utilization),
+            self.gpu("utilization_p95"),
+            np.nan,
+        )
+        throttled = np.where(whole, self.gpu("throttled_last"), self.gpu("throttled"))
+        reasons: dict[int, list[tuple[str, np.ndarray]]] = {}
+        for i, labels in enumerate(self.m["reasons"].labels):
+            row = self.gpu_row.get(self._gpu_key(labels))
+            if row is not None:
+                active = ~np.isnan(self.m["reasons"].values[i])
+                reasons.setdefault(row, []).append((labels.get("reason", ""), active))
+        cpu_total = sum(
+            (
+                np.nan_to_num(self.host("cpu", mode=mode))
+                for mode in ("user", "nice", "system", "irq", "softirq", "steal")
+            ),
+            start=np.zeros((len(self.gpu_keys), self.steps)),
+        )
+        idle, iowait = self.host("cpu", mode="idle"), self.host("cpu", mode="iowait")
+        cpu_total = cpu_total + idle + iowait  # NaN without the idle and iowait series
+        with np.errstate(invalid="ignore", divide="ignore"):
+            busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)
+            iowait_ratio = np.where(cpu_total > 0, iowait / cpu_total, np.nan)
+        cpu_pressure = np.minimum(1.0, self.host("pressure", resource="cpu"))
+        io_pressure = np.minimum(1.0, self.host("pressure", resource="io"))
+        series, serving = self._serving()
+        gpu_of = np.array([g for g, _ in series], dtype=int)
+        on_gpu = {name: self._sum_on_gpus(gpu_of, values) for name, values in serving.items()}
+        listed = np.zeros((len(series), self.steps), dtype=bool)
+        for values in serving.values():
+            listed |= ~np.isnan(values)
+        queues_of: dict[int, list[int]] = {}
+        for i, (gpu, _) in enumerate(series):
+            queues_of.setdefault(gpu, []).append(i)
+        with np.errstate(invalid="ignore", divide="ignore"):
+
+            def mean_of(stem: str) -> np.ndarray:
+                counts = on_gpu[f"{stem}_count"]
+                return np.where(counts > 0, on_gpu[f"{stem}_sum"] / counts, np.nan)
+
+            delay = mean_of("batch_assembly_delay_seconds")
+            duration = mean_of("request_duration_seconds")
+            batch = mean_of("batch_size")
+        completions = on_gpu["request_duration_seconds_count"] / w
+        processes, cores, reads = self._feed()
+        columns = {
+            "utilization": utilization,
+            "p95": p95,
+            "memory_used": self.gpu("memory_used"),
+            "memory_total": self.gpu("memory_total"),
+            "memory_slope": self.gpu("memory_slope"),
+            "clock": self.gpu("clock"),
+            "throttled": throttled,
+            "power": self.gpu("power"),
+            "temperature": self.gpu("temperature"),
+            "depth": on_gpu["queue_depth"],
+            "depth_max": on_gpu["queue_depth_max"],
+            "depth_slope": on_gpu["queue_depth_slope"],
+            "running": on_gpu["running"],
+            "delay": delay,
+            "duration": duration,
+            "batch": batch,
+            "completions": completions,
+            "failures": on_gpu["allocation_failures"],
+            "cores": cores,
+            "reads": reads,
+            "busy": busy,
+            "cpu_pressure": cpu_pressure,
+            "io_pressure": io_pressure,
+            "iowait": iowait_ratio,
+        }
+        # Python floats once, not per frame: NaN becomes None below
+        lists = {name: values.tolist() for name, values in columns.items()}
+        present_l, scrapes_l, lost_l = present.tolist(), scrapes.tolist(), lost.tolist()
+        listed_l, processes_l = listed.tolist(), processes.tolist()
+        out: list[GpuFrame] = []
+        for k in range(self.steps):
+            t_end = self.first_end + k * w
+            for g, (host, index, uuid) in enumerate(self.gpu_keys):
+                if not present_l[g][k]:
+                    continue
+                v = {name: _none(values[g][k]) for name, values in lists.items()}
+                queues = [series[i][1] for i in queues_of.get(g, ()) if listed_l[i][k]]
+                used, total = v["memory_used"], v["memory_total"]
+                out.append(
+                    GpuFrame(
+                        host=host,
+                        gpu=_index(index),
+                        uuid=uuid,
+                        card=self.gpu_labels[g].get("name") or None,
+                        t_start=t_end - w,
+                        t_end=t_end,
+                        sample_count=int(scrapes_l[g][k] - lost_l[g][k]),
+                        expected_sample_count=int(expected[g]),
+                        lost=lost_l[g][k] > 0,
+                        utilization_mean_ratio=v["utilization"],
+                        utilization_p95_ratio=v["p95"],
+                        memory_used_bytes=None if used is None else int(used),
+                        memory_total_bytes=None if total is None else int(total),
+                        memory_used_slope_bytes_per_second=v["memory_slope"],
+                        sm_clock_ratio=v["clock"],
+                        throttled_ratio=v["throttled"],
+                        throttle_reasons=frozenset(
+                            r for r, active in reasons.get(g, ()) if active[k]
+                        ),
+                        power_ratio=v["power"],
+                        temperature_celsius=v["temperature"],
+                        serving_queues=len(
+                            {(q.get("worker"), q.get("source"), q.get("queue")) for q in queues}
+                        ),
+                        queue_depth_mean=v["depth"],
+                        queue_depth_max=v["depth_max"],
+                        queue_depth_slope_per_second=v["depth_slope"],
+                        running_mean=v["running"],
+                        batch_delay_seconds=v["delay"],
+                        request_duration_seconds=v["duration"],
+                        batch_size_mean=v["batch"],
+                        completions_per_second=v["completions"],
+                        allocation_failures=v["failures"],
+                        service_classes=tuple(
+                            sorted({c for q in queues if (c := q.get("class", ""))})
+                        ),
+                        queue_names=tuple(sorted({q.get("queue", "") for q in queues})),
+                        feeder_processes=int(processes_l[g][k]),
+                        feeder_cpu_cores_max=v["cores"],
+                        feeder_read_bytes_per_second=v["reads"],
+                        host_cpu_busy_ratio=v["busy"],
+                        host_cpu_pressure_ratio=v["cpu_pressure"],
+                        host_io_pressure_ratio=v["io_pressure"],
+                        host_iowait_ratio=v["iowait"],
+                    )
+                )
+        return out
+
+
+def _index(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return -1

@@ -1,0 +1,431 @@
+"""A live lab run seen two ways: the exporter's snapshot history, and a real Prometheus that
+scraped the same exporter every second. Both give the same frames, the same features and the
+same ranking of the GPUs, within one window.
+
+"Within one window": Prometheus stores what the exporter last sampled at each scrape, stamped
+with the scrape's time, so its windows see the exporter's samples up to one sampling interval
+late (a tenth of a 10 s window here). A Prometheus figure therefore agrees when it lies within
+the tolerance of the band its own window's snapshot figure and the neighbouring windows' span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from harness import Metrics
+
+from gpubalance.analyzer.features import COLUMNS, QUEUED_BATCHES, FeatureBuilder, FeatureTable
+from gpubalance.analyzer.frames import GpuFrame
+from gpubalance.analyzer.prometheus import PrometheusSource
+from gpubalance.analyzer.sources import (
+    ExporterSource,
+    Recording,
+    complete_windows,
+    exporter_recording,
+    open_source,
+)
+from gpubalance.lab import scenario, traffic
+from gpubalance.lab.live.run import LiveLab, free_port
+
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
+        reason="HAProxy: sudo apt-get install haproxy",
+    ),
+    pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus"),
+    pytest.mark.timeout(600),
+]
+
+WINDOW = 10.0
+INTERVAL = 1.0  # the exporter samples and Prometheus scrapes every second
+DURATION = 90.0
+SNAPSHOT_AFTER_SAMPLES = 85  # what the exporter holds when its history is taken
+T = TypeVar("T")
+
+# Tolerances (absolute, relative) on top of the band the neighbouring windows span. Each sample
+# is a tenth of a window: one that lands in the neighbouring window, or is scraped twice while
+# its successor is missed, moves a mean by up to a tenth of the samples' spread.
+FRAME_TOLERANCES: dict[str, tuple[float, float]] = {
+    "sample_count": (2, 0),  # a scrape more or less at each edge
+    "utilization_mean_ratio": (0.1, 0),
+    "utilization_p95_ratio": (0.1, 0),  # see _p95_agrees
+    "memory_used_bytes": (0, 0.02),
+    "memory_total_bytes": (0, 0),
+    "sm_clock_ratio": (0.02, 0),
+    "throttled_ratio": (0.1, 0),
+    "power_ratio": (0.1, 0),
+    "temperature_celsius": (1.0, 0),  # a warming card gains about a degree a second
+    "queue_depth_mean": (0.5, 0.15),
+    "queue_depth_max": (1.0, 0.2),
+    "queue_depth_slope_per_second": (0.05, 0),  # plus a share of the queue: see _tolerance
+    "running_mean": (0.5, 0.15),
+    # increase() sees the window's own samples: the requests of the second before its first
+    # scrape (a tenth of them, some 3 of GPU 1's 28) are in no window's mean, where the
+    # snapshots difference against the sample before the window
+    "batch_delay_seconds": (0.01, 0.35),
+    "request_duration_seconds": (0.02, 0.25),
+    "batch_size_mean": (0.3, 0.2),
+    # and it extrapolates them to the window's edges: rates agree closer than means
+    "completions_per_second": (0.3, 0.15),
+    "allocation_failures": (0.5, 0),
+    "feeder_cpu_cores_max": (0.1, 0.15),
+    "host_cpu_busy_ratio": (0.05, 0),
+    "host_cpu_pressure_ratio": (0.05, 0),
+    "host_io_pressure_ratio": (0.05, 0),
+    "host_iowait_ratio": (0.05, 0),
+}
+# labels rather than measurements: the same as in one of the neighbouring windows
+FRAME_EQUAL = (
+    "card",
+    "gpu",
+    "lost",
+    "serving_queues",
+    "queue_names",
+    "service_classes",
+    "feeder_processes",
+    "throttle_reasons",
+)
+# features are ratios of the figures above, with their tolerances: queues in batches (the
+# largest batch is at least one request), throughput against peers and own best as ratios of
+# two rates; peer z-scores divide by a floor of 0.02, so a 0.05 difference in utilization
+# moves them by 2.5
+FEATURE_TOLERANCES: dict[str, tuple[float, float]] = {
+    name: (3.0, 0.2) if name.endswith("_z") else (0.1, 0.15) for name in COLUMNS
+}
+FEATURE_TOLERANCES.update(
+    {
+        "utilization_p95_ratio": FRAME_TOLERANCES["utilization_p95_ratio"],
+        "queue_batches": (0.5, 0.15),
+        "pool_queue_batches_mean": (0.5, 0.15),
+        "queue_max_batches": (1.0, 0.2),
+        "peer_queue_max_batches": (1.0, 0.2),
+        "queue_slope_batches_per_window": (0.1, 0),  # plus a share of the queue
+        "throughput_vs_peers_ratio": (0.1, 0.4),
+        "throughput_vs_own_best_ratio": (0.1, 0.3),
+    }
+)
+# features that cut a queue at QUEUED_BATCHES: where the queue they cut lies within its
+# tolerance of the cut, one sample flips them, and they are not compared in that window
+CUTS = {"pool_busy_share": "queue_batches", "idle_while_peer_queued": "peer_queue_max_batches"}
+# A least-squares slope over a window's n samples gives an end sample of height q the weight
+# q·(n-1)/2 / Σ(t - t̄)²: a sample of the queue's largest height leaving one end as another
+# enters at the other moves the slope by twice that (0.109 of the height per second for ten).
+_N = round(WINDOW / INTERVAL)
+SLOPE_PER_HEIGHT = 2 * (_N - 1) / 2 / sum((i - (_N - 1) / 2) ** 2 for i in range(_N)) / INTERVAL
+
+
+def wait_until(check: Callable[[], T | None], seconds: float, what: str) -> T:
+    """``check()``'s first answer that is not None, within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (answer := check()) is None:
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.2)
+    return answer
+
+
+@dataclass
+class Prometheus:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def api(self, path: str, **params: str) -> Any:
+        assert self.process.poll() is None, f"Prometheus died:\n{self.log_path.read_text()}"
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as answer:
+            return json.load(answer)["data"]
+
+
+@pytest.fixture
+def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
+    """prometheus_for(target): a Prometheus scraping ``target`` every second."""
+    started: list[Prometheus] = []
+
+    def start(target: str) -> Prometheus:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            f"global: {{scrape_interval: {INTERVAL:g}s, scrape_timeout: {INTERVAL:g}s}}\n"
+            "scrape_configs:\n"
+            f"  - job_name: gpubalance\n    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+        port = free_port()
+        log_path = tmp_path / "prometheus.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    "prometheus",
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        started.append(Prometheus(process, f"http://127.0.0.1:{port}", log_path))
+        return started[-1]
+
+    yield start
+    for prometheus in started:
+        prometheus.process.terminate()
+        prometheus.process.wait(timeout=30)
+
+
+@dataclass
+class Seen:
+    recording: Recording
+    prometheus: Prometheus
+    exporter_source: object
+    target: str  # the exporter's address, Prometheus' instance label
+
+
+def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheus]) -> Seen:
+    """The skewed demo server live for 90 s, scraped by Prometheus; the exporter's history
+    taken once it holds 85 samples, and Prometheus waited for until it has them too."""
+    plan = scenario.load("skewed-heterogeneous")
+    requests = traffic.generate(plan.scenario.traffic, DURATION, plan.scenario.seed)
+    ready = threading.Event()
+    lab = LiveLab(
+        plan,
+        requests,
+        DURATION,
+        start_exporter=True,
+        exporter_args=("--interval", f"{INTERVAL:g}", "--window", f"{INTERVAL:g}"),
+        build_dir=fakenvml_dir,
+        on_ready=lambda _: ready.set(),
+    )
+    prometheus = prometheus_for(f"127.0.0.1:{lab.exporter_port}")
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(lab.run())
+        except BaseException as exc:  # handed to the test below
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert ready.wait(120), "the live lab did not start"
+        assert lab.exporter is not None
+        url = lab.exporter.url
+
+        def exporter_samples() -> float | None:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+                metrics = Metrics.parse(answer.read().decode())
+            taken = metrics.value("gpubalance_exporter_samples_total")
+            return taken if taken >= SNAPSHOT_AFTER_SAMPLES else None
+
+        wait_until(exporter_samples, DURATION, "the exporter's samples")
+        recording = exporter_recording(url, SNAPSHOT_AFTER_SAMPLES + 20, timeout=30)
+        exporter_source = open_source(url)
+        last = recording.samples[-1].timestamp_seconds
+
+        def scraped_up_to_last() -> bool | None:
+            result = prometheus.api(
+                "query",
+                query="max_over_time(gpubalance_exporter_last_sample_timestamp_seconds[1m])",
+            )["result"]
+            return True if result and float(result[0]["value"][1]) >= last else None
+
+        wait_until(scraped_up_to_last, 30, "Prometheus scraping the exporter's last sample")
+    finally:
+        thread.join(240)
+    if failure:
+        raise failure[0]
+    return Seen(recording, prometheus, exporter_source, f"127.0.0.1:{lab.exporter_port}")
+
+
+def _known(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _band(value: Any, neighbours: list[Any], tolerance: tuple[float, float]) -> bool:
+    """``value`` lies in the band of ``neighbours``, widened by the tolerance; unknown agrees
+    with a band where some neighbour does not know either."""
+    known = [v for v in neighbours if _known(v)]
+    if not _known(value):
+        return len(known) < len(neighbours)
+    if not known:
+        return False
+    low, high = min(known), max(known)
+    absolute, relative = tolerance
+    slack = absolute + relative * max(abs(low), abs(high))
+    return bool(low - slack <= value <= high + slack)
+
+
+def _p95_agrees(p95: Any, mean: Any, neighbours: list[Any], tolerance: tuple[float, float]) -> bool:
+    """Prometheus' percentile is one of 1 s means (the exporter's window gauge), the snapshots'
+    one of NVML's 1/6 s samples: averaging narrows the spread, so it lies between the mean and
+    the samples' percentile, not near the latter."""
+    if not (_known(p95) and _known(mean)):
+        return _band(p95, neighbours, tolerance)
+    known = [v for v in neighbours if _known(v)]
+    return bool(known) and mean - tolerance[0] <= p95 <= max(known) + tolerance[0]
+
+
+def _agrees(
+    name: str, value: Any, neighbours: list[Any], tolerance: tuple[float, float], mean: Any
+) -> bool:
+    if name == "utilization_p95_ratio":
+        return _p95_agrees(value, mean, neighbours, tolerance)
+    return _band(value, neighbours, tolerance)
+
+
+def _slope_tolerance(
+    base: tuple[float, float], queue_max: list[Any], seconds: float
+) -> tuple[float, float]:
+    """A slope's tolerance: the base plus what one sample can do (per ``seconds``)."""
+    largest = max((q for q in queue_max if _known(q)), default=0.0)
+    return base[0] + SLOPE_PER_HEIGHT * seconds * largest, base[1]
+
+
+Rows = dict[tuple[str, int], dict[str, float]]
+Pools = dict[tuple[int, tuple[str, ...]], list[dict[str, float]]]
+
+
+def _rows(table: FeatureTable) -> tuple[Rows, Pools]:
+    """The rows by GPU and window, and by window and pool (its queues)."""
+    rows: Rows = {}
+    pools: Pools = {}
+    for i, frame in enumerate(table.frames):
+        k = round(frame.t_start / WINDOW)
+        rows[(frame.uuid, k)] = table.row(i)
+        pools.setdefault((k, frame.queue_names), []).append(rows[(frame.uuid, k)])
+    return rows, pools
+
+
+def _by_window(frames: list[GpuFrame]) -> dict[tuple[str, int], GpuFrame]:
+    return {(f.uuid, round(f.t_start / WINDOW)): f for f in frames}
+
+
+def _neighbours(table: dict[tuple[str, int], T], uuid: str, k: int) -> list[T]:
+    return [table[(uuid, j)] for j in (k - 1, k, k + 1) if (uuid, j) in table]
+
+
+def _level(frames: list[GpuFrame], name: str) -> dict[str, float]:
+    """Each GPU's mean of a figure over the run."""
+    values: dict[str, list[float]] = {}
+    for f in frames:
+        if (value := getattr(f, name)) is not None:
+            values.setdefault(f.uuid, []).append(value)
+    return {uuid: float(np.mean(v)) for uuid, v in values.items()}
+
+
+def test_snapshots_and_prometheus_agree_within_one_window(
+    fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheus], tmp_path: Path
+) -> None:
+    seen = run_seen_twice(fakenvml_dir, prometheus_for)
+    recording = seen.recording
+    last = recording.samples[-1].timestamp_seconds
+    snapshot_frames = list(complete_windows(recording.frames(WINDOW), last))
+    source = open_source(seen.prometheus.url)
+    assert isinstance(source, PrometheusSource)
+    prometheus_frames = source.frames(snapshot_frames[0].t_start, last, WINDOW)
+    assert source.last_warnings == ()
+    kept = tmp_path / "frames.json"  # both sides, for a look when a figure differs
+    kept.write_text(
+        json.dumps(
+            {
+                "snapshots": [dataclasses.asdict(f) for f in snapshot_frames],
+                "prometheus": [dataclasses.asdict(f) for f in prometheus_frames],
+            },
+            default=sorted,
+        )
+    )
+    assert {f.host for f in prometheus_frames} == {seen.target}  # Prometheus' instance label
+    assert_agreement(snapshot_frames, prometheus_frames, kept)
+    # the exporter the lab ran was recognised as one while it ran
+    assert isinstance(seen.exporter_source, ExporterSource)
+
+
+def assert_agreement(
+    snapshot_frames: list[GpuFrame], prometheus_frames: list[GpuFrame], kept: Path
+) -> None:
+    """Frames, features and ranking agree within one window (``kept`` holds both sides)."""
+    snapshots, scraped = _by_window(snapshot_frames), _by_window(prometheus_frames)
+    assert {u for u, _ in scraped} == {u for u, _ in snapshots}, "the same GPUs"
+    assert len({u for u, _ in scraped}) == 4
+    # compared: the windows the snapshots cover whole, with the one before them (the history
+    # starts inside its first window; Prometheus' lag reaches back into the one before)
+    whole = {key for key, f in snapshots.items() if f.sample_count == f.expected_sample_count}
+    compared = sorted(
+        (uuid, k) for uuid, k in whole if (uuid, k - 1) in whole and (uuid, k) in scraped
+    )
+    assert len(compared) >= 4 * 5, f"only {len(compared)} GPU windows seen whole both ways"
+
+    mismatches: list[str] = []
+    own_window: dict[str, list[bool]] = {}
+    for uuid, k in compared:
+        frame, neighbours = scraped[(uuid, k)], _neighbours(snapshots, uuid, k)
+        for name, tolerance in FRAME_TOLERANCES.items():
+            if name == "queue_depth_slope_per_second":
+                queues = [n.queue_depth_max for n in neighbours]
+                tolerance = _slope_tolerance(tolerance, queues, 1.0)
+            mine, theirs = getattr(frame, name), [getattr(n, name) for n in neighbours]
+            mean = frame.utilization_mean_ratio
+            if not _agrees(name, mine, theirs, tolerance, mean):
+                mismatches.append(f"{uuid} window {k} {name}: {mine} vs {theirs}")
+            own = getattr(snapshots[(uuid, k)], name)
+            own_window.setdefault(name, []).append(_agrees(name, mine, [own], tolerance, mean))
+        for name in FRAME_EQUAL:
+            mine, theirs = getattr(frame, name), [getattr(n, name) for n in neighbours]
+            if mine not in theirs:
+                mismatches.append(f"{uuid} window {k} {name}: {mine} vs {theirs}")
+    assert not mismatches, f"frames differ (both in {kept}):\n" + "\n".join(mismatches)
+    # a figure may match its neighbour's window, but most match their own: the windows line up
+    for name, hits in own_window.items():
+        assert sum(hits) >= len(hits) / 2, f"{name}: {sum(hits)} of {len(hits)} in their window"
+
+    # the features, each source's frames with their own past
+    ours = FeatureBuilder().transform(prometheus_frames)
+    theirs = FeatureBuilder().transform(snapshot_frames)
+    our_rows, our_pools = _rows(ours)
+    their_rows, their_pools = _rows(theirs)
+    for uuid, k in compared:
+        row, neighbours = our_rows[(uuid, k)], _neighbours(their_rows, uuid, k)
+        pool = scraped[(uuid, k)].queue_names
+        for name in COLUMNS:
+            tolerance = FEATURE_TOLERANCES[name]
+            if name == "queue_slope_batches_per_window":
+                queues = [n["queue_max_batches"] for n in neighbours]
+                tolerance = _slope_tolerance(tolerance, queues, WINDOW)
+            if name in CUTS:
+                cut = CUTS[name]
+                # the queues the feature cuts: this row's, or its pool's, both ways
+                rows = [row, *neighbours]
+                if name == "pool_busy_share":
+                    rows = our_pools[(k, pool)] + [
+                        r for j in (k - 1, k, k + 1) for r in their_pools.get((j, pool), [])
+                    ]
+                slack = FEATURE_TOLERANCES[cut][0]
+                if any(_known(r[cut]) and abs(r[cut] - QUEUED_BATCHES) <= slack for r in rows):
+                    continue
+            mine, values = row[name], [n[name] for n in neighbours]
+            if not _agrees(name, mine, values, tolerance, row["utilization_ratio"]):
+                mismatches.append(f"{uuid} window {k} {name}: {mine} vs {values}")
+    assert not mismatches, f"features differ (frames in {kept}):\n" + "\n".join(mismatches)
+
+    # the ranking: which GPU queues most and which works most; GPUs whose levels differ by
+    # less than the margin may swap places
+    for name, margin in (("queue_depth_mean", 0.5), ("utilization_mean_ratio", 0.05)):
+        snap, prom = _level(snapshot_frames, name), _level(prometheus_frames, name)
+        assert max(snap, key=snap.__getitem__) == max(prom, key=prom.__getitem__), (name, snap)
+        for a in snap:
+            for b in snap:
+                if snap[a] - snap[b] > margin:
+                    assert prom[a] > prom[b], (name, a, b, snap, prom)
