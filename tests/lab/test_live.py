@@ -110,8 +110,11 @@ def test_host_bound_worker_shows_through_the_lab_procfs(fakenvml_dir: Path) -> N
     counted = sum(seconds * cores for seconds, cores in spans) / covered
     # the lab writes its procfs tree once a second, so a 10 s window's CPU delta can carry up to
     # one write more or less than its wall time
-    assert usage == pytest.approx(counted, abs=0.15), (usage, spans)
-    assert usage <= 1.1
+    quantization = 0.15  # one procfs write in a 10 s window, and the window's own jitter
+    assert usage == pytest.approx(counted, abs=quantization), (usage, spans)
+    # one preprocessing thread: at most one core, give or take the same quantization (a
+    # loaded 2-core machine measured 1.116 against the 1.1 this once allowed)
+    assert usage <= 1.0 + quantization
     assert metrics.value("gpubalance_gpu_utilization_ratio", gpu="0") < 0.5
     assert metrics.value("gpubalance_host_pressure_ratio", resource="cpu", kind="some") >= 0
     assert sorted(r.id for r in records) == [r.id for r in sent]
