@@ -92,7 +92,16 @@ def test_on_a_terminal_a_dead_url_is_shown_and_retried_until_it_answers(start_ex
         start_exporter({"device_count": 1}, "--listen", f"127.0.0.1:{port}")
         read_until(b"RTX")  # the exporter came up: its GPU is on screen
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0  # the last read succeeded
+        # keep reading the terminal while top stops: its last frame must not block on a full
+        # pty buffer, as it would on a terminal nobody reads
+        deadline = time.monotonic() + 30
+        while process.poll() is None and time.monotonic() < deadline:
+            if select.select([main], [], [], 0.2)[0]:
+                try:
+                    screen += os.read(main, 65536)
+                except OSError:  # the child closed its side
+                    break
+        assert process.wait(timeout=5) == 0  # the last read succeeded
     finally:
         if process.poll() is None:
             process.kill()
