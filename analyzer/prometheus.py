@@ -105,7 +105,18 @@ def _promql_string(text: str) -> str:
 
 
 def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
-    """Every figure of a frame, one PromQL expression each (``select`` writes a selector)."""
+    """Every figure of a frame, one PromQL expression each (``select`` writes a selector).
+
+    Each keeps only the labels that join it (``max by``): a fleet's target labels (cluster,
+    region, pod) would otherwise come back with each of its 10^5 series in every answer, and
+    of two series of one exporter (two jobs scraping it) one is kept.
+    """
+    gpu = f"{host}, gpu, uuid"
+    queue = f"{gpu}, worker, queue, class, source, tenant"
+
+    def keep(labels: str, expression: str) -> str:
+        return f"max by ({labels}) ({expression})"
+
     slowdown = _promql_string("|".join(sorted(SLOWDOWN_REASONS)))
     slowdowns = select("gpubalance_gpu_throttle_reason", f"reason=~{slowdown}")
     clock, max_clock = (
@@ -116,41 +127,27 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     utilization = select("gpubalance_gpu_utilization_ratio")
     throttled = select("gpubalance_gpu_throttled_ratio")
     memory = select("gpubalance_gpu_memory_used_bytes")
+    lost = select("gpubalance_gpu_lost")
     depth = select("gpubalance_queue_depth")
     stalls = select(
         "gpubalance_host_pressure_waiting_seconds_total", 'kind="some"', 'resource=~"cpu|io"'
     )
-    queries = {
-        # GPUs
-        "info": f"last_over_time({select('gpubalance_gpu_info')}[{w}])",
-        "scrapes": f"count_over_time({select('gpubalance_gpu_lost')}[{w}])",
-        "lost": f"sum_over_time({select('gpubalance_gpu_lost')}[{w}])",
+    per_gpu = {
+        "scrapes": f"count_over_time({lost}[{w}])",
+        "lost": f"sum_over_time({lost}[{w}])",
         "utilization": f"avg_over_time({utilization}[{w}])",
         "utilization_last": f"last_over_time({utilization}[{w}])",
         "utilization_p95": f"quantile_over_time(0.95, {utilization}[{w}])",
         "throttled": f"avg_over_time({throttled}[{w}])",
         "throttled_last": f"last_over_time({throttled}[{w}])",
-        "reasons": f"max_over_time({slowdowns}[{w}]) > 0",
         "memory_used": f"last_over_time({memory}[{w}])",
         "memory_total": f"last_over_time({select('gpubalance_gpu_memory_total_bytes')}[{w}])",
         "memory_slope": f"deriv({memory}[{w}])",
         "clock": f"avg_over_time({clock}[{w}]) / last_over_time({max_clock}[{w}])",
         "power": f"avg_over_time({power}[{w}]) / avg_over_time({limit}[{w}])",
         "temperature": f"avg_over_time({select('gpubalance_gpu_temperature_celsius')}[{w}])",
-        # hosts
-        "exporter_window": (f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"),
-        "up": f"count_over_time({select('up')}[{w}])",
-        "cpu": (
-            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
-        ),
-        "pressure": f"rate({stalls}[{w}])",
-        # processes holding a GPU
-        "gpu_processes": (
-            f"count_over_time({select('gpubalance_gpu_process_memory_used_bytes')}[{w}])"
-        ),
-        "process_cpu": f"rate({select('gpubalance_process_cpu_seconds_total')}[{w}])",
-        "process_read": f"rate({select('gpubalance_process_read_bytes_total')}[{w}])",
-        # serving queues
+    }
+    per_queue = {
         "queue_depth": f"avg_over_time({depth}[{w}])",
         "queue_depth_max": f"max_over_time({depth}[{w}])",
         "queue_depth_slope": f"deriv({depth}[{w}])",
@@ -161,8 +158,34 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     }
     for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds"):
         for part in ("sum", "count"):
-            queries[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
-    return queries
+            per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
+    return {
+        "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
+        "reasons": keep(f"{gpu}, reason", f"max_over_time({slowdowns}[{w}])") + " > 0",
+        **{name: keep(gpu, expression) for name, expression in per_gpu.items()},
+        # hosts
+        "exporter_window": keep(
+            host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
+        ),
+        "up": keep(host, f"count_over_time({select('up')}[{w}])"),
+        "cpu": (
+            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
+        ),
+        "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
+        # processes holding a GPU
+        "gpu_processes": keep(
+            f"{gpu}, pid",
+            f"count_over_time({select('gpubalance_gpu_process_memory_used_bytes')}[{w}])",
+        ),
+        "process_cpu": keep(
+            f"{host}, pid", f"rate({select('gpubalance_process_cpu_seconds_total')}[{w}])"
+        ),
+        "process_read": keep(
+            f"{host}, pid", f"rate({select('gpubalance_process_read_bytes_total')}[{w}])"
+        ),
+        # serving queues
+        **{name: keep(queue, expression) for name, expression in per_queue.items()},
+    }
 
 
 SERVING_QUERIES = (

@@ -547,7 +547,7 @@ def test_warnings_are_kept_and_logged(
     warning = "partial response: store 10.0.0.7:10901 unavailable"
 
     def partial(hit: dict[str, Any]) -> tuple[int, str, bytes]:
-        if hit["query"].startswith("avg_over_time"):
+        if "avg_over_time" in hit["query"]:
             hit["body"]["warnings"] = [warning]
         return hit["status"], hit["type"], json.dumps(hit["body"]).encode()
 
