@@ -308,6 +308,20 @@ class PrometheusSource:
             raise SourceError(f"{self.url}: buildinfo without data")
         return data
 
+    def probe(self) -> str:
+        """What answers at the URL, or a SourceError: its build info, else (an API without
+        buildinfo) an instant query of ``1``, which every Prometheus-compatible API answers."""
+        try:
+            return f"Prometheus API {self.build_info().get('version', '')}".strip()
+        except SourceError as exc:
+            try:
+                data = self._request("/api/v1/query", {"query": "1"}).get("data")
+            except SourceError:
+                raise exc from None
+            if not isinstance(data, dict) or data.get("resultType") != "scalar":
+                raise exc from None
+            return "Prometheus-compatible API"
+
     def query_range(
         self, query: str, first_end: float, step: float, steps: int
     ) -> tuple[Matrix, list[str]]:
