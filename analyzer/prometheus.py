@@ -294,7 +294,8 @@ class PrometheusSource:
             reason = getattr(exc, "reason", exc)
             raise SourceError(f"{target}: cannot reach Prometheus: {reason}") from None
         try:
-            body = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+            raw = gzip.decompress(raw) if encoding == "gzip" else raw
+            body = json.loads(raw)
         except (ValueError, OSError) as exc:
             raise SourceError(f"{what}: not a Prometheus API answer: {exc}") from None
         if not isinstance(body, dict) or body.get("status") != "success":
@@ -333,9 +334,11 @@ class PrometheusSource:
             start = first_end + offset * step
             form = {
                 "query": query,
-                "start": repr(start),
-                "end": repr(start + (count - 1) * step),
-                "step": repr(step),
+                # milliseconds, as Prometheus keeps time: a float's last digits would truncate
+                # to the millisecond before the window's end
+                "start": f"{start:.3f}",
+                "end": f"{start + (count - 1) * step:.3f}",
+                "step": f"{step:.3f}",
                 "timeout": _duration(self.timeout),
             }
             if self.partial_response is not None:
@@ -375,7 +378,7 @@ class PrometheusSource:
         if steps <= 0 or (hosts is not None and not hosts):
             self.last_warnings = ()
             return []
-        matchers = [m for m in (self.selector.strip(),) if m]
+        matchers = [self.selector.strip()] if self.selector.strip() else []
         if hosts is not None:
             pattern = "|".join(re.escape(h) for h in hosts)
             matchers.append(f"{self.host_label}=~{_promql_string(pattern)}")
@@ -390,8 +393,8 @@ class PrometheusSource:
                 name: pool.submit(self.query_range, query, first_end, w, steps)
                 for name, query in queries.items()
             }
-            # every query runs to its end: the error raised is the first query's, whichever
-            # failed first
+            # every query runs to its end, and the error raised is that of the first query in
+            # this order that failed: one fault, one message, whichever answer came first
             answers = {name: future.result() for name, future in futures.items()}
         warnings: list[str] = []
         for _, said in answers.values():
