@@ -47,6 +47,7 @@ responses as warnings) are logged and kept in :attr:`PrometheusSource.last_warni
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -104,7 +105,18 @@ def _promql_string(text: str) -> str:
 
 
 def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
-    """Every figure of a frame, one PromQL expression each (``select`` writes a selector)."""
+    """Every figure of a frame, one PromQL expression each (``select`` writes a selector).
+
+    Each keeps only the labels that join it (``max by``): a fleet's target labels (cluster,
+    region, pod) would otherwise come back with each of its 10^5 series in every answer, and
+    of two series of one exporter (two jobs scraping it) one is kept.
+    """
+    gpu = f"{host}, gpu, uuid"
+    queue = f"{gpu}, worker, queue, class, source, tenant"
+
+    def keep(labels: str, expression: str) -> str:
+        return f"max by ({labels}) ({expression})"
+
     slowdown = _promql_string("|".join(sorted(SLOWDOWN_REASONS)))
     slowdowns = select("gpubalance_gpu_throttle_reason", f"reason=~{slowdown}")
     clock, max_clock = (
@@ -115,41 +127,27 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     utilization = select("gpubalance_gpu_utilization_ratio")
     throttled = select("gpubalance_gpu_throttled_ratio")
     memory = select("gpubalance_gpu_memory_used_bytes")
+    lost = select("gpubalance_gpu_lost")
     depth = select("gpubalance_queue_depth")
     stalls = select(
         "gpubalance_host_pressure_waiting_seconds_total", 'kind="some"', 'resource=~"cpu|io"'
     )
-    queries = {
-        # GPUs
-        "info": f"last_over_time({select('gpubalance_gpu_info')}[{w}])",
-        "scrapes": f"count_over_time({select('gpubalance_gpu_lost')}[{w}])",
-        "lost": f"sum_over_time({select('gpubalance_gpu_lost')}[{w}])",
+    per_gpu = {
+        "scrapes": f"count_over_time({lost}[{w}])",
+        "lost": f"sum_over_time({lost}[{w}])",
         "utilization": f"avg_over_time({utilization}[{w}])",
         "utilization_last": f"last_over_time({utilization}[{w}])",
         "utilization_p95": f"quantile_over_time(0.95, {utilization}[{w}])",
         "throttled": f"avg_over_time({throttled}[{w}])",
         "throttled_last": f"last_over_time({throttled}[{w}])",
-        "reasons": f"max_over_time({slowdowns}[{w}]) > 0",
         "memory_used": f"last_over_time({memory}[{w}])",
         "memory_total": f"last_over_time({select('gpubalance_gpu_memory_total_bytes')}[{w}])",
         "memory_slope": f"deriv({memory}[{w}])",
         "clock": f"avg_over_time({clock}[{w}]) / last_over_time({max_clock}[{w}])",
         "power": f"avg_over_time({power}[{w}]) / avg_over_time({limit}[{w}])",
         "temperature": f"avg_over_time({select('gpubalance_gpu_temperature_celsius')}[{w}])",
-        # hosts
-        "exporter_window": (f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"),
-        "up": f"count_over_time({select('up')}[{w}])",
-        "cpu": (
-            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
-        ),
-        "pressure": f"rate({stalls}[{w}])",
-        # processes holding a GPU
-        "gpu_processes": (
-            f"count_over_time({select('gpubalance_gpu_process_memory_used_bytes')}[{w}])"
-        ),
-        "process_cpu": f"rate({select('gpubalance_process_cpu_seconds_total')}[{w}])",
-        "process_read": f"rate({select('gpubalance_process_read_bytes_total')}[{w}])",
-        # serving queues
+    }
+    per_queue = {
         "queue_depth": f"avg_over_time({depth}[{w}])",
         "queue_depth_max": f"max_over_time({depth}[{w}])",
         "queue_depth_slope": f"deriv({depth}[{w}])",
@@ -160,8 +158,34 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     }
     for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds"):
         for part in ("sum", "count"):
-            queries[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
-    return queries
+            per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
+    return {
+        "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
+        "reasons": keep(f"{gpu}, reason", f"max_over_time({slowdowns}[{w}])") + " > 0",
+        **{name: keep(gpu, expression) for name, expression in per_gpu.items()},
+        # hosts
+        "exporter_window": keep(
+            host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
+        ),
+        "up": keep(host, f"count_over_time({select('up')}[{w}])"),
+        "cpu": (
+            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
+        ),
+        "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
+        # processes holding a GPU
+        "gpu_processes": keep(
+            f"{gpu}, pid",
+            f"count_over_time({select('gpubalance_gpu_process_memory_used_bytes')}[{w}])",
+        ),
+        "process_cpu": keep(
+            f"{host}, pid", f"rate({select('gpubalance_process_cpu_seconds_total')}[{w}])"
+        ),
+        "process_read": keep(
+            f"{host}, pid", f"rate({select('gpubalance_process_read_bytes_total')}[{w}])"
+        ),
+        # serving queues
+        **{name: keep(queue, expression) for name, expression in per_queue.items()},
+    }
 
 
 SERVING_QUERIES = (
@@ -270,7 +294,8 @@ class PrometheusSource:
             reason = getattr(exc, "reason", exc)
             raise SourceError(f"{target}: cannot reach Prometheus: {reason}") from None
         try:
-            body = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+            raw = gzip.decompress(raw) if encoding == "gzip" else raw
+            body = json.loads(raw)
         except (ValueError, OSError) as exc:
             raise SourceError(f"{what}: not a Prometheus API answer: {exc}") from None
         if not isinstance(body, dict) or body.get("status") != "success":
@@ -284,6 +309,20 @@ class PrometheusSource:
             raise SourceError(f"{self.url}: buildinfo without data")
         return data
 
+    def probe(self) -> str:
+        """What answers at the URL, or a SourceError: its build info, else (an API without
+        buildinfo) an instant query of ``1``, which every Prometheus-compatible API answers."""
+        try:
+            return f"Prometheus API {self.build_info().get('version', '')}".strip()
+        except SourceError as exc:
+            try:
+                data = self._request("/api/v1/query", {"query": "1"}).get("data")
+            except SourceError:
+                raise exc from None
+            if not isinstance(data, dict) or data.get("resultType") != "scalar":
+                raise exc from None
+            return "Prometheus-compatible API"
+
     def query_range(
         self, query: str, first_end: float, step: float, steps: int
     ) -> tuple[Matrix, list[str]]:
@@ -295,9 +334,11 @@ class PrometheusSource:
             start = first_end + offset * step
             form = {
                 "query": query,
-                "start": repr(start),
-                "end": repr(start + (count - 1) * step),
-                "step": repr(step),
+                # milliseconds, as Prometheus keeps time: a float's last digits would truncate
+                # to the millisecond before the window's end
+                "start": f"{start:.3f}",
+                "end": f"{start + (count - 1) * step:.3f}",
+                "step": f"{step:.3f}",
                 "timeout": _duration(self.timeout),
             }
             if self.partial_response is not None:
@@ -337,7 +378,7 @@ class PrometheusSource:
         if steps <= 0 or (hosts is not None and not hosts):
             self.last_warnings = ()
             return []
-        matchers = [m for m in (self.selector.strip(),) if m]
+        matchers = [self.selector.strip()] if self.selector.strip() else []
         if hosts is not None:
             pattern = "|".join(re.escape(h) for h in hosts)
             matchers.append(f"{self.host_label}=~{_promql_string(pattern)}")
@@ -352,8 +393,8 @@ class PrometheusSource:
                 name: pool.submit(self.query_range, query, first_end, w, steps)
                 for name, query in queries.items()
             }
-            # every query runs to its end: the error raised is the first query's, whichever
-            # failed first
+            # every query runs to its end, and the error raised is that of the first query in
+            # this order that failed: one fault, one message, whichever answer came first
             answers = {name: future.result() for name, future in futures.items()}
         warnings: list[str] = []
         for _, said in answers.values():
@@ -404,8 +445,8 @@ def _join_steps(parts: Sequence[Matrix]) -> Matrix:
     return Matrix(tuple(labels_of[i] for i in range(len(rows))), values)
 
 
-def _none(value: float) -> float | None:
-    return None if value != value else value  # NaN is the only value not equal to itself
+# a GPU's serving queues in a window: how many, their service classes, their names
+_QueueLabels = tuple[int, tuple[str, ...], tuple[str, ...]]
 
 
 class _Assembly:
@@ -441,25 +482,31 @@ class _Assembly:
     def _empty(self, rows: int) -> np.ndarray:
         return np.full((rows, self.steps), np.nan)
 
+    @staticmethod
+    def _place(out: np.ndarray, rows: list[int], values: np.ndarray) -> np.ndarray:
+        """``values``' series into ``out``'s ``rows`` (-1: nowhere); of two series for one row
+        (two jobs scraping one exporter), the later."""
+        where = np.array(rows, dtype=np.int64)
+        mine = where >= 0
+        out[where[mine]] = values[mine]
+        return out
+
     def gpu(self, name: str) -> np.ndarray:
         """A per-GPU query on the GPU rows."""
-        out = self._empty(len(self.gpu_keys))
         matrix = self.m[name]
-        for i, labels in enumerate(matrix.labels):
-            row = self.gpu_row.get(self._gpu_key(labels))
-            if row is not None:
-                out[row] = np.where(np.isnan(out[row]), matrix.values[i], out[row])
-        return out
+        rows = [self.gpu_row.get(self._gpu_key(labels), -1) for labels in matrix.labels]
+        return self._place(self._empty(len(self.gpu_keys)), rows, matrix.values)
 
     def host(self, name: str, **where: str) -> np.ndarray:
         """A per-host query (the series whose labels hold ``where``) on the GPU rows."""
-        out = self._empty(len(self.hosts))
         matrix = self.m[name]
-        for i, labels in enumerate(matrix.labels):
-            row = self.host_row.get(labels.get(self.host_label, ""))
-            if row is not None and all(labels.get(k) == v for k, v in where.items()):
-                out[row] = np.where(np.isnan(out[row]), matrix.values[i], out[row])
-        return out[self.host_of_gpu]
+        rows = [
+            self.host_row.get(labels.get(self.host_label, ""), -1)
+            if all(labels.get(k) == v for k, v in where.items())
+            else -1
+            for labels in matrix.labels
+        ]
+        return self._place(self._empty(len(self.hosts)), rows, matrix.values)[self.host_of_gpu]
 
     def _gpu_of(self, labels: Mapping[str, str]) -> int | None:
         """The GPU a serving queue or process is on: by UUID when it has one, else by index."""
@@ -483,15 +530,14 @@ class _Assembly:
                 if gpu is not None:
                     rows[key] = len(series)
                     series.append((gpu, labels))
-        values: dict[str, np.ndarray] = {}
-        for name in SERVING_QUERIES:
-            out = self._empty(len(series))
-            matrix = self.m[name]
-            for i, labels in enumerate(matrix.labels):
-                row = rows.get(_key(labels))
-                if row is not None:
-                    out[row] = matrix.values[i]
-            values[name] = out
+        values = {
+            name: self._place(
+                self._empty(len(series)),
+                [rows.get(_key(labels), -1) for labels in self.m[name].labels],
+                self.m[name].values,
+            )
+            for name in SERVING_QUERIES
+        }
         return series, values
 
     def _sum_on_gpus(self, gpu_of: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -504,50 +550,41 @@ class _Assembly:
         total[~seen] = np.nan
         return total
 
-    def _by_pid(self, name: str) -> dict[tuple[str, str], np.ndarray]:
+    def _by_pid(self, name: str, pids: list[tuple[str, str]]) -> np.ndarray:
+        """A per-process query on the rows of ``pids`` (host, pid)."""
         matrix = self.m[name]
-        return {
-            (labels.get(self.host_label, ""), labels.get("pid", "")): matrix.values[i]
+        row_of = {
+            (labels.get(self.host_label, ""), labels.get("pid", "")): i
             for i, labels in enumerate(matrix.labels)
         }
+        rows = [row_of.get(pid, -1) for pid in pids]
+        out = self._empty(len(pids))
+        where = np.array(rows, dtype=np.int64)
+        mine = where >= 0
+        out[mine] = matrix.values[where[mine]]
+        return out
 
     def _feed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Processes per GPU, the busiest one's cores, and their summed read rate."""
         listed = self.m["gpu_processes"]
-        cpu, read = self._by_pid("process_cpu"), self._by_pid("process_read")
+        gpus = [self._gpu_of(labels) for labels in listed.labels]
+        mine = [i for i, gpu in enumerate(gpus) if gpu is not None]
+        gpu_of = np.array([gpus[i] for i in mine], dtype=np.int64)
+        pids = [
+            (listed.labels[i].get(self.host_label, ""), listed.labels[i].get("pid", ""))
+            for i in mine
+        ]
+        on = ~np.isnan(listed.values[mine]) if mine else np.zeros((0, self.steps), dtype=bool)
         count = np.zeros((len(self.gpu_keys), self.steps))
+        np.add.at(count, gpu_of, on)
         cores = self._empty(len(self.gpu_keys))
-        reads = np.zeros((len(self.gpu_keys), self.steps))
-        read_seen = np.zeros((len(self.gpu_keys), self.steps), dtype=bool)
-        nothing = np.full(self.steps, np.nan)
-        for i, labels in enumerate(listed.labels):
-            gpu = self._gpu_of(labels)
-            if gpu is None:
-                continue
-            on = ~np.isnan(listed.values[i])
-            count[gpu] += on
-            pid = (labels.get(self.host_label, ""), labels.get("pid", ""))
-            mine = np.where(on, cpu.get(pid, nothing), np.nan)
-            cores[gpu] = np.fmax(cores[gpu], mine)
-            rate = np.where(on, read.get(pid, nothing), np.nan)
-            reads[gpu] += np.nan_to_num(rate)
-            read_seen[gpu] |= ~np.isnan(rate)
-        reads[~read_seen] = np.nan
+        np.fmax.at(cores, gpu_of, np.where(on, self._by_pid("process_cpu", pids), np.nan))
+        reads = self._sum_on_gpus(gpu_of, np.where(on, self._by_pid("process_read", pids), np.nan))
         return count, cores, reads
 
-    def frames(self, scrape_interval: float | None) -> list[GpuFrame]:
-        if not self.gpu_keys:
-            return []
+    def _gpu_figures(self) -> dict[str, np.ndarray]:
+        """The GPUs' own figures, by GpuFrame field."""
         w = self.window
-        present = ~np.isnan(self.gpu("info"))
-        scrapes = np.nan_to_num(self.gpu("scrapes"))
-        lost = np.nan_to_num(self.gpu("lost"))
-        if scrape_interval is not None:
-            expected = np.full(len(self.gpu_keys), max(1, round(w / scrape_interval)))
-        else:
-            # the scrapes attempted in the fullest window, failed ones included
-            attempted = np.nanmax(np.fmax(self.host("up"), scrapes), axis=1)
-            expected = np.maximum(1, np.nan_to_num(attempted)).astype(int)
         exporter_window = self.host("exporter_window")
         whole = exporter_window >= w * (1 - 1e-6)  # the gauge covers the analysis window
         utilization = np.where(whole, self.gpu("utilization_last"), self.gpu("utilization"))
@@ -557,13 +594,18 @@ class _Assembly:
             self.gpu("utilization_p95"),
             np.nan,
         )
-        throttled = np.where(whole, self.gpu("throttled_last"), self.gpu("throttled"))
-        reasons: dict[int, list[tuple[str, np.ndarray]]] = {}
-        for i, labels in enumerate(self.m["reasons"].labels):
-            row = self.gpu_row.get(self._gpu_key(labels))
-            if row is not None:
-                active = ~np.isnan(self.m["reasons"].values[i])
-                reasons.setdefault(row, []).append((labels.get("reason", ""), active))
+        return {
+            "utilization_mean_ratio": utilization,
+            "utilization_p95_ratio": p95,
+            "memory_used_slope_bytes_per_second": self.gpu("memory_slope"),
+            "sm_clock_ratio": self.gpu("clock"),
+            "throttled_ratio": np.where(whole, self.gpu("throttled_last"), self.gpu("throttled")),
+            "power_ratio": self.gpu("power"),
+            "temperature_celsius": self.gpu("temperature"),
+        }
+
+    def _host_figures(self) -> dict[str, np.ndarray]:
+        """The hosts' figures on their GPUs' rows, by GpuFrame field."""
         cpu_total = sum(
             (
                 np.nan_to_num(self.host("cpu", mode=mode))
@@ -576,116 +618,140 @@ class _Assembly:
         with np.errstate(invalid="ignore", divide="ignore"):
             busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)
             iowait_ratio = np.where(cpu_total > 0, iowait / cpu_total, np.nan)
-        cpu_pressure = np.minimum(1.0, self.host("pressure", resource="cpu"))
-        io_pressure = np.minimum(1.0, self.host("pressure", resource="io"))
+        return {
+            "host_cpu_busy_ratio": busy,
+            "host_cpu_pressure_ratio": np.minimum(1.0, self.host("pressure", resource="cpu")),
+            "host_io_pressure_ratio": np.minimum(1.0, self.host("pressure", resource="io")),
+            "host_iowait_ratio": iowait_ratio,
+        }
+
+    def _serving_figures(self) -> tuple[dict[str, np.ndarray], dict[str, list[list[Any]]]]:
+        """The serving figures of each GPU's queues, summed, and the queues' labels (how
+        many, their service classes, their names), by GpuFrame field."""
         series, serving = self._serving()
         gpu_of = np.array([g for g, _ in series], dtype=int)
         on_gpu = {name: self._sum_on_gpus(gpu_of, values) for name, values in serving.items()}
-        listed = np.zeros((len(series), self.steps), dtype=bool)
-        for values in serving.values():
-            listed |= ~np.isnan(values)
-        queues_of: dict[int, list[int]] = {}
-        for i, (gpu, _) in enumerate(series):
-            queues_of.setdefault(gpu, []).append(i)
         with np.errstate(invalid="ignore", divide="ignore"):
 
             def mean_of(stem: str) -> np.ndarray:
                 counts = on_gpu[f"{stem}_count"]
                 return np.where(counts > 0, on_gpu[f"{stem}_sum"] / counts, np.nan)
 
-            delay = mean_of("batch_assembly_delay_seconds")
-            duration = mean_of("request_duration_seconds")
-            batch = mean_of("batch_size")
-        completions = on_gpu["request_duration_seconds_count"] / w
-        processes, cores, reads = self._feed()
-        columns = {
-            "utilization": utilization,
-            "p95": p95,
-            "memory_used": self.gpu("memory_used"),
-            "memory_total": self.gpu("memory_total"),
-            "memory_slope": self.gpu("memory_slope"),
-            "clock": self.gpu("clock"),
-            "throttled": throttled,
-            "power": self.gpu("power"),
-            "temperature": self.gpu("temperature"),
-            "depth": on_gpu["queue_depth"],
-            "depth_max": on_gpu["queue_depth_max"],
-            "depth_slope": on_gpu["queue_depth_slope"],
-            "running": on_gpu["running"],
-            "delay": delay,
-            "duration": duration,
-            "batch": batch,
-            "completions": completions,
-            "failures": on_gpu["allocation_failures"],
-            "cores": cores,
-            "reads": reads,
-            "busy": busy,
-            "cpu_pressure": cpu_pressure,
-            "io_pressure": io_pressure,
-            "iowait": iowait_ratio,
-        }
-        # Python floats once, not per frame: NaN becomes None below
-        lists = {name: values.tolist() for name, values in columns.items()}
-        present_l, scrapes_l, lost_l = present.tolist(), scrapes.tolist(), lost.tolist()
-        listed_l, processes_l = listed.tolist(), processes.tolist()
-        out: list[GpuFrame] = []
-        for k in range(self.steps):
-            t_end = self.first_end + k * w
-            for g, (host, index, uuid) in enumerate(self.gpu_keys):
-                if not present_l[g][k]:
-                    continue
-                v = {name: _none(values[g][k]) for name, values in lists.items()}
-                queues = [series[i][1] for i in queues_of.get(g, ()) if listed_l[i][k]]
-                used, total = v["memory_used"], v["memory_total"]
-                out.append(
-                    GpuFrame(
-                        host=host,
-                        gpu=_index(index),
-                        uuid=uuid,
-                        card=self.gpu_labels[g].get("name") or None,
-                        t_start=t_end - w,
-                        t_end=t_end,
-                        sample_count=int(scrapes_l[g][k] - lost_l[g][k]),
-                        expected_sample_count=int(expected[g]),
-                        lost=lost_l[g][k] > 0,
-                        utilization_mean_ratio=v["utilization"],
-                        utilization_p95_ratio=v["p95"],
-                        memory_used_bytes=None if used is None else int(used),
-                        memory_total_bytes=None if total is None else int(total),
-                        memory_used_slope_bytes_per_second=v["memory_slope"],
-                        sm_clock_ratio=v["clock"],
-                        throttled_ratio=v["throttled"],
-                        throttle_reasons=frozenset(
-                            r for r, active in reasons.get(g, ()) if active[k]
-                        ),
-                        power_ratio=v["power"],
-                        temperature_celsius=v["temperature"],
-                        serving_queues=len(
-                            {(q.get("worker"), q.get("source"), q.get("queue")) for q in queues}
-                        ),
-                        queue_depth_mean=v["depth"],
-                        queue_depth_max=v["depth_max"],
-                        queue_depth_slope_per_second=v["depth_slope"],
-                        running_mean=v["running"],
-                        batch_delay_seconds=v["delay"],
-                        request_duration_seconds=v["duration"],
-                        batch_size_mean=v["batch"],
-                        completions_per_second=v["completions"],
-                        allocation_failures=v["failures"],
-                        service_classes=tuple(
-                            sorted({c for q in queues if (c := q.get("class", ""))})
-                        ),
-                        queue_names=tuple(sorted({q.get("queue", "") for q in queues})),
-                        feeder_processes=int(processes_l[g][k]),
-                        feeder_cpu_cores_max=v["cores"],
-                        feeder_read_bytes_per_second=v["reads"],
-                        host_cpu_busy_ratio=v["busy"],
-                        host_cpu_pressure_ratio=v["cpu_pressure"],
-                        host_io_pressure_ratio=v["io_pressure"],
-                        host_iowait_ratio=v["iowait"],
+            figures = {
+                "queue_depth_mean": on_gpu["queue_depth"],
+                "queue_depth_max": on_gpu["queue_depth_max"],
+                "queue_depth_slope_per_second": on_gpu["queue_depth_slope"],
+                "running_mean": on_gpu["running"],
+                "batch_delay_seconds": mean_of("batch_assembly_delay_seconds"),
+                "request_duration_seconds": mean_of("request_duration_seconds"),
+                "batch_size_mean": mean_of("batch_size"),
+                "completions_per_second": on_gpu["request_duration_seconds_count"] / self.window,
+                "allocation_failures": on_gpu["allocation_failures"],
+            }
+        listed = np.zeros((len(series), self.steps), dtype=bool)
+        for values in serving.values():
+            listed |= ~np.isnan(values)
+        listed_l = listed.tolist()
+        queues_of: dict[int, list[int]] = {}
+        for i, (gpu, _) in enumerate(series):
+            queues_of.setdefault(gpu, []).append(i)
+        # the labels of each set of queues a GPU had listed, computed once per set
+        labels_of: dict[tuple[int | bool, ...], _QueueLabels] = {}
+        queues, classes, names = [], [], []
+        for g in range(len(self.gpu_keys)):
+            mine = queues_of.get(g, [])
+            per_step = []
+            for k in range(self.steps):
+                key = (g, *(listed_l[i][k] for i in mine))
+                if key not in labels_of:
+                    on = [series[i][1] for i, now in zip(mine, key[1:], strict=True) if now]
+                    labels_of[key] = (
+                        len({(q.get("worker"), q.get("source"), q.get("queue")) for q in on}),
+                        tuple(sorted({c for q in on if (c := q.get("class", ""))})),
+                        tuple(sorted({q.get("queue", "") for q in on})),
                     )
-                )
-        return out
+                per_step.append(labels_of[key])
+            queues.append([q for q, _, _ in per_step])
+            classes.append([c for _, c, _ in per_step])
+            names.append([q for _, _, q in per_step])
+        return figures, {"serving_queues": queues, "service_classes": classes, "queue_names": names}
+
+    def _reasons(self) -> list[list[frozenset[str]]]:
+        """Per GPU and window, the slowdown reasons active at some scrape."""
+        active: dict[int, list[tuple[str, np.ndarray]]] = {}
+        for i, labels in enumerate(self.m["reasons"].labels):
+            row = self.gpu_row.get(self._gpu_key(labels))
+            if row is not None:
+                on = ~np.isnan(self.m["reasons"].values[i])
+                active.setdefault(row, []).append((labels.get("reason", ""), on))
+        none: frozenset[str] = frozenset()
+        return [
+            [frozenset(r for r, on in active[g] if on[k]) for k in range(self.steps)]
+            if g in active
+            else [none] * self.steps
+            for g in range(len(self.gpu_keys))
+        ]
+
+    def frames(self, scrape_interval: float | None) -> list[GpuFrame]:
+        if not self.gpu_keys:
+            return []
+        w, n, gpus = self.window, self.steps, len(self.gpu_keys)
+        scrapes = np.nan_to_num(self.gpu("scrapes"))
+        lost = np.nan_to_num(self.gpu("lost"))
+        if scrape_interval is not None:
+            expected = np.full(gpus, max(1, round(w / scrape_interval)))
+        else:
+            # the scrapes attempted in the fullest window, failed ones included
+            attempted = np.nanmax(np.fmax(self.host("up"), scrapes), axis=1)
+            expected = np.maximum(1, np.nan_to_num(attempted)).astype(int)
+        serving, queue_labels = self._serving_figures()
+        processes, cores, reads = self._feed()
+        figures = {
+            **self._gpu_figures(),
+            **serving,
+            "feeder_cpu_cores_max": cores,
+            "feeder_read_bytes_per_second": reads,
+            **self._host_figures(),
+        }
+        # every field as nested lists of Python objects (None where NaN), made once for all
+        # frames: a fleet has 10^5 frames, each one zip of these
+        fields: dict[str, list[list[Any]]] = {
+            name: _objects(values).tolist() for name, values in figures.items()
+        }
+        t_ends = [self.first_end + k * w for k in range(n)]
+        fields.update(
+            queue_labels,
+            host=[[h] * n for h, _, _ in self.gpu_keys],
+            gpu=[[_index(i)] * n for _, i, _ in self.gpu_keys],
+            uuid=[[u] * n for _, _, u in self.gpu_keys],
+            card=[[labels.get("name") or None] * n for labels in self.gpu_labels],
+            t_start=[[t - w for t in t_ends]] * gpus,
+            t_end=[t_ends] * gpus,
+            sample_count=(scrapes - lost).astype(int).tolist(),
+            expected_sample_count=[[int(e)] * n for e in expected],
+            lost=(lost > 0).tolist(),
+            memory_used_bytes=_objects(self.gpu("memory_used"), int).tolist(),
+            memory_total_bytes=_objects(self.gpu("memory_total"), int).tolist(),
+            throttle_reasons=self._reasons(),
+            feeder_processes=processes.astype(int).tolist(),
+        )
+        order = [f.name for f in dataclasses.fields(GpuFrame)]
+        by_step: list[list[GpuFrame]] = [[] for _ in range(n)]
+        present = (~np.isnan(self.gpu("info"))).tolist()
+        for g in range(gpus):
+            frames = zip(*(fields[name][g] for name in order), strict=True)
+            for k, (here, args) in enumerate(zip(present[g], frames, strict=True)):
+                if here:
+                    by_step[k].append(GpuFrame(*args))
+        return [frame for step in by_step for frame in step]
+
+
+def _objects(values: np.ndarray, kind: type = float) -> np.ndarray:
+    """``values`` as Python numbers of ``kind``, None where NaN (the plain types' unknown)."""
+    out = np.full(values.shape, None, dtype=object)
+    known = ~np.isnan(values)
+    out[known] = values[known].astype(np.int64 if kind is int else np.float64)
+    return out
 
 
 def _index(text: str) -> int:

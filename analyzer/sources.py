@@ -223,7 +223,7 @@ def open_source(url_or_dir: str, timeout: float = 5.0) -> FrameSource:
 
     prometheus = PrometheusSource(url_or_dir, timeout=timeout)
     try:
-        prometheus.build_info()
+        prometheus.probe()
         return prometheus
     except SourceError as exc:
         not_prometheus = str(exc)

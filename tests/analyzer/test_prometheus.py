@@ -23,6 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,10 @@ CALLS: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {
 
 
 def request_key(method: str, path: str, form: Mapping[str, str]) -> str:
-    # the query timeout follows the client's; the answer does not depend on it
-    return json.dumps([method, path, sorted((k, v) for k, v in form.items() if k != "timeout")])
+    # the query timeout follows the client's, and Prometheus ignores Thanos' partial_response:
+    # the answer depends on neither
+    ignored = ("timeout", "partial_response")
+    return json.dumps([method, path, sorted((k, v) for k, v in form.items() if k not in ignored)])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -216,6 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
         url = urllib.parse.urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         form = dict(urllib.parse.parse_qsl(self.rfile.read(length).decode() or url.query))
+        self.server.seen.append((url.path, form, self.headers))
         status, content_type, body = self.server.answer(method, url.path, form)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -237,6 +241,7 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, answer: Callable[[str, str, dict[str, str]], tuple[int, str, bytes]]):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.answer = answer
+        self.seen: list[tuple[str, dict[str, str], Message]] = []  # path, form, headers
 
     @property
     def url(self) -> str:
@@ -362,6 +367,10 @@ def test_the_recording_is_what_prometheus_answers(tmp_path: Path) -> None:
         FIXTURE.parent.mkdir(exist_ok=True)
         FIXTURE.write_text(json.dumps(fresh, indent=1, sort_keys=True) + "\n")
     stored = json.loads(FIXTURE.read_text())
+    if fresh["prometheus"] != stored["prometheus"]:
+        # another version answers some queries otherwise (Prometheus 3's ranges leave out a
+        # sample at their start): the replayed tests hold for the recorded one
+        pytest.skip(f"recorded with Prometheus {stored['prometheus']}, not {fresh['prometheus']}")
     assert set(fresh["answers"]) == set(stored["answers"]), "rerun with GPUBALANCE_UPDATE_GOLDEN=1"
     for key, answer in fresh["answers"].items():
         was = stored["answers"][key]
@@ -518,6 +527,24 @@ def test_windows_align_to_multiples_of_the_window(replayed: str) -> None:
 # -- what goes wrong ------------------------------------------------------------------------------
 
 
+def test_credentials_and_options_go_with_every_query(recording: Recording) -> None:
+    server = replay(recording)
+    source = PrometheusSource(
+        server.url,
+        bearer_token="s3cret",
+        headers={"X-Scope-OrgID": "fleet"},  # Mimir's tenant
+        partial_response=False,
+        timeout=12.5,
+    )
+    assert len(source.frames(T0, END, WINDOW)) == 13
+    server.shutdown()
+    assert len(server.seen) == 33  # one query per figure, for every host at once
+    for path, form, headers in server.seen:
+        assert path == "/api/v1/query_range"
+        assert (headers["Authorization"], headers["X-Scope-OrgID"]) == ("Bearer s3cret", "fleet")
+        assert (form["partial_response"], form["timeout"]) == ("false", "12500ms")
+
+
 def test_prometheus_own_error_message_is_shown(replayed: str) -> None:
     with pytest.raises(SourceError, match=r"HTTP 400: bad_data: .*error parsing regexp"):
         PrometheusSource(replayed, selector='job=~"("').frames(T0, END, WINDOW)
@@ -547,7 +574,7 @@ def test_warnings_are_kept_and_logged(
     warning = "partial response: store 10.0.0.7:10901 unavailable"
 
     def partial(hit: dict[str, Any]) -> tuple[int, str, bytes]:
-        if hit["query"].startswith("avg_over_time"):
+        if "avg_over_time" in hit["query"]:
             hit["body"]["warnings"] = [warning]
         return hit["status"], hit["type"], json.dumps(hit["body"]).encode()
 
@@ -610,7 +637,22 @@ def test_parse_matrix_puts_points_on_the_grid() -> None:
 def test_open_source_finds_prometheus(replayed: str) -> None:
     source = open_source(replayed)
     assert isinstance(source, PrometheusSource)
+    assert source.probe() == "Prometheus API 2.42.0+ds"  # the one that answered the recording
     assert len(source.frames(T0, END, WINDOW)) == 13
+
+
+def test_open_source_finds_an_api_without_buildinfo() -> None:
+    def only_queries(method: str, path: str, form: dict[str, str]) -> tuple[int, str, bytes]:
+        if (method, path, form) == ("POST", "/api/v1/query", {"query": "1"}):
+            answer = {"status": "success", "data": {"resultType": "scalar", "result": [T0, "1"]}}
+            return 200, "application/json", json.dumps(answer).encode()
+        return 404, "text/plain", b"404 page not found"
+
+    server = serve(only_queries)
+    source = open_source(server.url)
+    assert isinstance(source, PrometheusSource)
+    assert source.probe() == "Prometheus-compatible API"
+    server.shutdown()
 
 
 def test_open_source_finds_a_lab_run(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.prometheus import PrometheusSource
 from gpubalance.analyzer.sources import (
     ExporterSource,
+    FrameSource,
     Recording,
     complete_windows,
     exporter_recording,
@@ -189,7 +190,8 @@ def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
 class Seen:
     recording: Recording
     prometheus: Prometheus
-    exporter_source: object
+    exporter_source: FrameSource  # what open_source made of the exporter's URL
+    exporter_frames: list[GpuFrame]  # and the frames it gave, a moment after the recording
     target: str  # the exporter's address, Prometheus' instance label
 
 
@@ -233,6 +235,7 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         wait_until(exporter_samples, DURATION, "the exporter's samples")
         recording = exporter_recording(url, SNAPSHOT_AFTER_SAMPLES + 20, timeout=30)
         exporter_source = open_source(url)
+        exporter_frames = exporter_source.frames(None, None, WINDOW)
         last = recording.samples[-1].timestamp_seconds
 
         def scraped_up_to_last() -> bool | None:
@@ -247,7 +250,8 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         thread.join(240)
     if failure:
         raise failure[0]
-    return Seen(recording, prometheus, exporter_source, f"127.0.0.1:{lab.exporter_port}")
+    target = f"127.0.0.1:{lab.exporter_port}"
+    return Seen(recording, prometheus, exporter_source, exporter_frames, target)
 
 
 def _known(value: Any) -> bool:
@@ -351,6 +355,7 @@ def test_snapshots_and_prometheus_agree_within_one_window(
     assert_agreement(snapshot_frames, prometheus_frames, kept)
     # the exporter the lab ran was recognised as one while it ran
     assert isinstance(seen.exporter_source, ExporterSource)
+    assert [f for f in seen.exporter_frames if f.t_end <= last] == snapshot_frames
 
 
 def assert_agreement(
