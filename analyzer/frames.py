@@ -17,20 +17,12 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from gpubalance.telemetry import GpuSample, ProcessHostStats, Sample, ServingSample
-
-# Clock-event reasons that mean "slowed down against its will"; idle and clock settings are
-# not. The exporter's window figures use the same set.
-SLOWDOWN_REASONS = frozenset(
-    {
-        "sw_power_cap",
-        "hw_slowdown",
-        "sw_thermal_slowdown",
-        "hw_thermal_slowdown",
-        "hw_power_brake_slowdown",
-        "board_limit",
-        "reliability",
-    }
+from gpubalance.telemetry import (
+    SLOWDOWN_REASONS,
+    GpuSample,
+    ProcessHostStats,
+    Sample,
+    ServingSample,
 )
 
 

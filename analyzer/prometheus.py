@@ -64,8 +64,9 @@ from typing import Any
 
 import numpy as np
 
-from gpubalance.analyzer.frames import SLOWDOWN_REASONS, GpuFrame
+from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import SourceError
+from gpubalance.telemetry import SLOWDOWN_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     per_gpu = {
         "scrapes": f"count_over_time({lost}[{w}])",
         "lost": f"sum_over_time({lost}[{w}])",
+        # 1 while a GPU's reads miss their deadline (one series per call it hangs in)
+        "stale": f"sum_over_time({select('gpubalance_gpu_sample_stale')}[{w}])",
         "utilization": f"avg_over_time({utilization}[{w}])",
         "utilization_last": f"last_over_time({utilization}[{w}])",
         "utilization_p95": f"quantile_over_time(0.95, {utilization}[{w}])",
@@ -698,6 +701,7 @@ class _Assembly:
         w, n, gpus = self.window, self.steps, len(self.gpu_keys)
         scrapes = np.nan_to_num(self.gpu("scrapes"))
         lost = np.nan_to_num(self.gpu("lost"))
+        stale = np.minimum(np.nan_to_num(self.gpu("stale")), scrapes - lost)
         if scrape_interval is not None:
             expected = np.full(gpus, max(1, round(w / scrape_interval)))
         else:
@@ -727,7 +731,11 @@ class _Assembly:
             card=[[labels.get("name") or None] * n for labels in self.gpu_labels],
             t_start=[[t - w for t in t_ends]] * gpus,
             t_end=[t_ends] * gpus,
-            sample_count=(scrapes - lost).astype(int).tolist(),
+            # fresh readings, as the snapshot path counts them: neither lost nor stale
+            sample_count=(scrapes - lost - stale).astype(int).tolist(),
+            stale_sample_count=stale.astype(int).tolist(),
+            # which call a stale GPU hangs in is a label of its stale series; not joined here
+            stale_call=[[None] * n for _ in range(gpus)],
             expected_sample_count=[[int(e)] * n for e in expected],
             lost=(lost > 0).tolist(),
             memory_used_bytes=_objects(self.gpu("memory_used"), int).tolist(),

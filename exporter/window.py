@@ -15,6 +15,7 @@ from itertools import islice
 import numpy as np
 
 from gpubalance.telemetry import (
+    SLOWDOWN_REASONS,
     DiskWindow,
     GpuSample,
     GpuWindow,
@@ -26,19 +27,6 @@ from gpubalance.telemetry import (
     ServingSample,
     ServingWindow,
     Window,
-)
-
-# Reasons that mean "slowed down against its will"; idle and clock settings are not.
-SLOWDOWN_REASONS = frozenset(
-    {
-        "sw_power_cap",
-        "hw_slowdown",
-        "sw_thermal_slowdown",
-        "hw_thermal_slowdown",
-        "hw_power_brake_slowdown",
-        "board_limit",
-        "reliability",
-    }
 )
 
 

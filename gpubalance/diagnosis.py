@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 State = Literal["starved", "overloaded", "balanced", "unknown"]
-STATES: tuple[State, ...] = ("starved", "overloaded", "balanced", "unknown")
+STATES: tuple[State, ...] = get_args(State)
 
 Cause = Literal[
     "routing_skew",
@@ -28,20 +28,7 @@ Cause = Literal[
     "worker_crash",
     "none",
 ]
-CAUSES: tuple[Cause, ...] = (
-    "routing_skew",
-    "slow_card",
-    "host_bound",
-    "io_bound",
-    "memory_pressure",
-    "throttling",
-    "batch_delay",
-    "class_interference",
-    "capacity_shortage",
-    "low_demand",
-    "worker_crash",
-    "none",
-)
+CAUSES: tuple[Cause, ...] = get_args(Cause)
 
 # which causes a state can have (the ground truth's decision rules give the same pairs)
 CAUSES_OF: Mapping[State, tuple[Cause, ...]] = {

@@ -9,6 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+# Clock-event (throttle) reasons that mean "slowed down against its will"; idle and clock
+# settings are not. The exporter's window and the analyzer's frames count the same ones.
+SLOWDOWN_REASONS = frozenset(
+    {
+        "sw_power_cap",
+        "hw_slowdown",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+        "board_limit",
+        "reliability",
+    }
+)
+
 
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
