@@ -73,6 +73,9 @@ def test_on_a_terminal_a_dead_url_is_shown_and_retried_until_it_answers(start_ex
         stdout=child,
         stderr=child,
         env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"},
+        # as on a terminal, Ctrl-C interrupts: a suite started in the background by a shell
+        # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     os.close(child)
     screen = b""
