@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -227,8 +228,12 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         url = lab.exporter.url
 
         def exporter_samples() -> float | None:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
-                metrics = Metrics.parse(answer.read().decode())
+            try:
+                with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+                    metrics = Metrics.parse(answer.read().decode())
+            except (urllib.error.URLError, ConnectionError):
+                return None  # the lab is up before its exporter listens: wait on, bounded
+
             taken = metrics.value("gpubalance_exporter_samples_total")
             return taken if taken >= SNAPSHOT_AFTER_SAMPLES else None
 
