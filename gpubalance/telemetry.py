@@ -241,6 +241,11 @@ class ServingSourceStatus:
     scrape_duration_seconds: float | None = None
     error: str | None = None
     errors_total: Mapping[str, int] = field(default_factory=dict)  # reason -> count
+    # scrapes by outcome ("ok" or the error's reason); pushes by outcome (accepted, partial, or
+    # the refusal's reason)
+    requests_total: Mapping[str, int] = field(default_factory=dict)
+    # pushes only: data points accepted, rejected (partial success) and ignored (not for us)
+    points_total: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -455,12 +455,43 @@ def add_serving(out: Exposition, view: View) -> None:
         out.add(
             "gpubalance_serving_source_errors_total",
             C,
-            "Scrapes or pushed points of the source that failed, by reason.",
+            "Scrapes of the source that failed, pushes refused and pushed points rejected, "
+            "by reason.",
             None,
         )
         for reason, count in sorted(status.errors_total.items()):
             out.add(
                 "gpubalance_serving_source_errors_total", C, "", count, {**labels, "reason": reason}
+            )
+        out.add(
+            "gpubalance_serving_source_requests_total",
+            C,
+            "Scrapes of the source by outcome (ok or the error's reason); pushes by outcome "
+            "(accepted, partial or the refusal's reason).",
+            None,
+        )
+        for outcome, count in sorted(status.requests_total.items()):
+            out.add(
+                "gpubalance_serving_source_requests_total",
+                C,
+                "",
+                count,
+                {**labels, "outcome": outcome},
+            )
+        out.add(
+            "gpubalance_serving_source_points_total",
+            C,
+            "Pushed data points accepted, rejected (partial success) or ignored (not metrics "
+            "gpubalance reads).",
+            None,
+        )
+        for outcome, count in sorted(status.points_total.items()):
+            out.add(
+                "gpubalance_serving_source_points_total",
+                C,
+                "",
+                count,
+                {**labels, "outcome": outcome},
             )
 
 

@@ -220,6 +220,7 @@ class OtlpReceiver:
             status.duration_seconds = time.perf_counter() - started
             status.error = refused.message
             status.errors_total[refused.reason] += 1
+            status.requests_total[refused.reason] += 1
         return _encode(
             Status(message=refused.message), refused.status, content_type, refused.reason
         )
@@ -250,6 +251,10 @@ class OtlpReceiver:
             status.duration_seconds = time.perf_counter() - started
             status.error = message
             status.errors_total.update(batch.rejected)
+            status.requests_total[outcome] += 1
+            status.points_total.update(
+                accepted=accepted, rejected=rejected, ignored=sum(batch.ignored.values())
+            )
         return _encode(response, 200, content_type, outcome)
 
     def _apply(self, batch: Batch, now: float) -> int:

@@ -216,6 +216,10 @@ def test_slow_and_dead_endpoints_delay_nothing_and_show(
         )
         >= 1
     )
+    requests = "gpubalance_serving_source_requests_total"
+    assert m.value(requests, endpoint=endpoints.url("slow"), outcome="timeout") >= 2
+    assert not m.has(requests, endpoint=endpoints.url("slow"), outcome="ok")
+    assert m.value(requests, endpoint=endpoints.url("vllm"), outcome="ok") >= 1
     # samples keep coming although the slow endpoint never answers, and none of them waits for
     # it: each takes less than the scrape's 0.5 s timeout
     first = m.value("gpubalance_exporter_samples_total")
@@ -310,7 +314,18 @@ def test_opentelemetry_sdk_push_lands_on_the_right_gpu(start_exporter, tmp_path)
     assert moved.value.code == 404
     text = moved.value.read().decode()
     assert url in text and "exporter.serving.otlp.listen" in text
-    assert exporter.metrics().value("gpubalance_queue_depth", **ids) == 7
+    # what the receiver took and refused, as counters by outcome: two pushes (the flush and the
+    # provider's shutdown) of three points each, and the three refusals
+    requests, points = (
+        "gpubalance_serving_source_requests_total",
+        "gpubalance_serving_source_points_total",
+    )
+    m = exporter.wait_for(lambda m: sum(v for _, v in m.find(requests, source="otlp")) == 5)
+    assert m.value("gpubalance_queue_depth", **ids) == 7
+    assert m.value(requests, source="otlp", outcome="accepted") == 2
+    assert m.value(requests, source="otlp", outcome="malformed") == 2
+    assert m.value(points, source="otlp", outcome="accepted") == 6
+    assert m.value(points, source="otlp", outcome="rejected") == 0
 
 
 def otlp_url(exporter: RunningExporter) -> str:

@@ -70,6 +70,8 @@ class ServingCollector:
                 scrape_duration_seconds=status.duration_seconds,
                 error=status.error,
                 errors_total=dict(status.errors_total),
+                requests_total=dict(status.requests_total),
+                points_total=dict(status.points_total),
             )
             for status in sorted(self.store.statuses(), key=lambda s: (s.source, s.endpoint))
         )

@@ -115,6 +115,7 @@ class ServingScraper:
         with self.store.lock():
             status.last_attempt_seconds = now
             status.duration_seconds = time.perf_counter() - started
+            status.requests_total["ok" if error is None else error[0]] += 1
             if error is None:
                 status.up, status.error, status.last_success_seconds = True, None, now
             else:

@@ -39,6 +39,9 @@ class SourceStatus:
     duration_seconds: float | None = None
     error: str | None = None
     errors_total: Counter[str] = field(default_factory=Counter)  # reason -> count
+    # scrapes ("ok" or the error's reason) or pushes (accepted, partial, or the refusal's reason)
+    requests_total: Counter[str] = field(default_factory=Counter)
+    points_total: Counter[str] = field(default_factory=Counter)  # pushes: accepted/rejected/ignored
 
 
 class SeriesLimitReached(Exception):
@@ -121,6 +124,8 @@ class ServingStore:
                     s.duration_seconds,
                     s.error,
                     Counter(s.errors_total),
+                    Counter(s.requests_total),
+                    Counter(s.points_total),
                 )
                 for s in self._status.values()
             ]
