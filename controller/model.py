@@ -117,6 +117,7 @@ class Change:
     before: int | AdminState  # what HAProxy reported before it
     recommendation_id: str
     cost_rank: int = 0
+    initial_weight: int | None = None  # the config's weight, which agent-check weights scale
 
     @property
     def key(self) -> str:

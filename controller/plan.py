@@ -233,6 +233,7 @@ def _step(
             server.weight,
             rec.id,
             rec.cost_rank,
+            server.initial_weight,
         )
     state = want.value
     if state == "maint" and server.admin != "drain":
