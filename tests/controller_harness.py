@@ -44,7 +44,7 @@ TOKEN = "s3cret-token"
 _ADAPTER: TypeAdapter[list[Recommendation]] = TypeAdapter(list[Recommendation])
 
 
-def _installed() -> bool:
+def haproxy_installed() -> bool:
     try:
         find_haproxy()
     except HaproxyNotFoundError:
@@ -55,7 +55,7 @@ def _installed() -> bool:
 needs_haproxy = [
     pytest.mark.haproxy,
     pytest.mark.skipif(
-        not _installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
+        not haproxy_installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
     ),
 ]
 
