@@ -2,8 +2,8 @@
 
 The lab's live speed renders a config from plain dataclasses, runs `haproxy -db` in the
 foreground (so the PID is ours to stop), and drives it through the runtime socket with the
-controller's client (`gpubalance.controller.haproxy.RuntimeApi`, re-exported here), the one the
-controller uses on a production HAProxy.
+controller's client, `gpubalance.controller.haproxy.RuntimeApi`, the one the controller uses
+on a production HAProxy.
 
 Verified against HAProxy 2.6 (Debian bookworm); see docs/reference/balancing.md §4.
 
@@ -31,28 +31,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal, get_args
 
+# the runtime client lives with the controller, which runs on real hosts; one copy, and the
+# lab's callers keep importing its names from here
 from gpubalance.controller.haproxy import (
-    ADMIN_STATES,
     MAX_WEIGHT,
-    AdminState,
     HaproxyError,
     RuntimeApi,
     RuntimeApiError,
-    ServerStat,
-    ServerState,
     check_name,
 )
-
-# the runtime client lives with the controller; the lab's callers import it from here too
-__all__ = [
-    "ADMIN_STATES",
-    "AdminState",
-    "HaproxyError",
-    "RuntimeApi",
-    "RuntimeApiError",
-    "ServerStat",
-    "ServerState",
-]
+from gpubalance.controller.haproxy import ServerStat as ServerStat
 
 APT_INSTALL = "sudo apt-get install haproxy"
 
