@@ -169,6 +169,26 @@ def test_the_controller_imports_no_lab_module() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+async def start_command(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpubalance",
+        "controller",
+        *args,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def stop_command(process: asyncio.subprocess.Process) -> bytes:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        _, err = await process.communicate()
+    return err
+
+
 @pytest.mark.haproxy
 @pytest.mark.skipif(not haproxy_installed(), reason="haproxy is not installed")
 def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -182,11 +202,7 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                 token = tmp_path / "token"
                 token.write_text(TOKEN + "\n")
                 port = free_port()
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "gpubalance",
-                    "controller",
+                process = await start_command(
                     "--analyzer",
                     analyzer.url,
                     "--haproxy-socket",
@@ -200,25 +216,96 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                     str(tmp_path / "audit.jsonl"),
                     "--interval",
                     "0.1",
-                    stderr=asyncio.subprocess.PIPE,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
                 try:
                     # the default dwell (2 passes) and step (32): 100 -> 68 -> 60
                     async with asyncio.timeout(30):
-                        while weights(haproxy.api)["s1"][0] != 60:
-                            await asyncio.sleep(0.05)
                         while not analyzer.acks_of("r1"):
                             await asyncio.sleep(0.05)
+                    assert weights(haproxy.api)["s1"] == (60, "ready")
                     async with http.get(f"http://127.0.0.1:{port}/api/v1/status") as r:
                         status = await r.json()
                     assert status["mode"] == "act" and status["last_pass"]["ok"]
                     assert analyzer.acks_of("r1")[0][0] == "applied"
                 finally:
-                    process.send_signal(signal.SIGTERM)
-                    async with asyncio.timeout(30):
-                        _, err = await process.communicate()
+                    err = await stop_command(process)
                 assert process.returncode == 0, err.decode()
                 assert b"acting" in err
 
     asyncio.run(scenario())
+
+
+@pytest.mark.haproxy
+@pytest.mark.skipif(not haproxy_installed(), reason="haproxy is not installed")
+def test_killed_mid_drain_a_restarted_controller_finishes_it_without_repeating(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
+            config = backends.config(tmp_path / "run")
+            front = f"http://127.0.0.1:{config.frontends[0].port}"
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                held = asyncio.create_task(http.get(f"{front}/hold"))  # round robin: s1
+                async with asyncio.timeout(10):
+                    while backends.held < 1:
+                        await asyncio.sleep(0.01)
+                analyzer.recommendations = [recommendation("r1", "remove_worker", "be/s1")]
+                log = tmp_path / "audit.jsonl"
+                token = tmp_path / "token"
+                token.write_text(TOKEN)
+                args = (
+                    "--token-file",
+                    str(token),
+                    "--analyzer",
+                    analyzer.url,
+                    "--haproxy-socket",
+                    str(config.socket_path),
+                    "--act",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--audit-log",
+                    str(log),
+                    "--interval",
+                    "0.1",
+                    "--dwell-cycles",
+                    "1",
+                )
+                first = await start_command(*args)
+                try:
+                    async with asyncio.timeout(30):
+                        while weights(haproxy.api)["s1"] != (100, "drain"):
+                            await asyncio.sleep(0.02)
+                        # it keeps passing while s1 drains; kill it in the middle of that
+                        while not any(
+                            e.get("reason", "").startswith("draining") for e in entries(log)
+                        ):
+                            await asyncio.sleep(0.02)
+                finally:
+                    first.kill()
+                    await stop_command(first)
+                assert first.returncode == -signal.SIGKILL
+                backends.release.set()
+                (await held).release()
+                second = await start_command(*args)
+                try:
+                    async with asyncio.timeout(30):
+                        while not analyzer.acks_of("r1"):
+                            await asyncio.sleep(0.05)
+                finally:
+                    err = await stop_command(second)
+                assert second.returncode == 0, err.decode()
+                assert weights(haproxy.api) == {"s1": (100, "maint"), "s2": (100, "ready")}
+                applied = [
+                    (e["target"], e["action"]) for e in entries(log) if e["decision"] == "applied"
+                ]
+                assert applied == [("be/s1", "drain"), ("be/s1", "maint")]
+                assert analyzer.acks_of("r1") == [("applied", "HAProxy shows what it asks for")]
+
+    asyncio.run(scenario())
+
+
+def entries(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    # the writer may be mid-line: only whole lines count
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
