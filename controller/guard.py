@@ -61,6 +61,9 @@ def guard(
     for applied in sorted(history, key=lambda a: a.at_seconds):
         last[applied.key] = applied
     servers = dict(observed.servers)
+    serving: dict[str, int] = {}  # per backend, as the changes allowed so far leave it
+    for server in servers.values():
+        serving[server.backend] = serving.get(server.backend, 0) + server.serving
     allowed: list[Change] = []
     refusals: list[Refusal] = []
     tripped = False
@@ -96,7 +99,7 @@ def guard(
             )
         elif spent >= settings.max_actions_per_hour:
             wait(change, "rate_limited", f"{spent} actions in the last hour")
-        elif _empties_pool(servers, change):
+        elif _empties_pool(servers[change.key], change, serving[change.backend]):
             wait(
                 change,
                 "last_ready_server",
@@ -120,13 +123,12 @@ def guard(
             allowed.append(change)
             spent += 1
             changed.add(change.key)
-            servers[change.key] = _after(servers[change.key], change)
+            after = _after(servers[change.key], change)
+            serving[change.backend] += after.serving - servers[change.key].serving
+            servers[change.key] = after
     return Guarded(allowed=tuple(allowed), refusals=tuple(refusals), tripped=tripped)
 
 
-def _empties_pool(servers: Mapping[str, ObservedServer], change: Change) -> bool:
-    pool = [s for s in servers.values() if s.backend == change.backend]
-    now_serving = sum(s.serving for s in pool)
-    after = sum((_after(s, change) if s.key == change.key else s).serving for s in pool)
+def _empties_pool(server: ObservedServer, change: Change, serving: int) -> bool:
     # a backend with nothing serving already cannot lose capacity to this change
-    return now_serving > 0 and after == 0
+    return serving > 0 and serving - server.serving + _after(server, change).serving == 0

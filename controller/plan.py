@@ -101,6 +101,7 @@ def plan(
         )
 
     changes: list[Change] = []
+    planned: set[tuple[str, str]] = set()
     for rec_id in sorted(open_ids):
         rec = by_id[rec_id]
         backend = wants[rec_id][0].server.backend
@@ -121,8 +122,9 @@ def plan(
             step = _step(want, rec, now, history, settings)
             if isinstance(step, Refusal):
                 refusals.append(step)
-            elif all((c.key, c.kind) != (step.key, step.kind) for c in changes):
+            elif (step.key, step.kind) not in planned:
                 # two recommendations that agree on a server change it once
+                planned.add((step.key, step.kind))
                 changes.append(step)
     changes.sort(key=lambda c: (c.cost_rank, c.key, c.kind))
     return Plan(changes=tuple(changes), refusals=tuple(refusals), converged=converged)
