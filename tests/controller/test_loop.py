@@ -42,8 +42,7 @@ def audit(path: Path) -> list[dict[str, Any]]:
 
 
 def sample(controller: Any, name: str, **labels: str) -> float | None:
-    value = controller.metrics.registry.get_sample_value(name, labels)
-    return value
+    return controller.metrics.registry.get_sample_value(name, labels)
 
 
 def test_acting_converges_then_does_nothing_and_acks_applied(tmp_path: Path) -> None:
@@ -178,7 +177,7 @@ def test_remove_worker_drains_until_sessions_reach_zero_then_enters_maint(tmp_pa
                 assert await response.text() == "s1"
                 response.release()
                 async with asyncio.timeout(10):
-                    while haproxy.api.show_stat("be")[0].scur:
+                    while {r.svname: r for r in haproxy.api.show_stat("be")}["s1"].scur:
                         await asyncio.sleep(0.01)
                 await controller.run_once()
                 assert weights(haproxy.api)["s1"] == (100, "maint")
