@@ -97,7 +97,12 @@ class Controller:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.run_once()
+            try:
+                await self.run_once()
+            except Exception:
+                # a bug or an answer nobody foresaw costs this pass, not the process
+                log.exception("pass failed; retrying with back-off")
+                self.failures += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.next_delay())
 
@@ -126,6 +131,12 @@ class Controller:
             stats = await asyncio.to_thread(self.api.show_stat)
         except RuntimeApiError as exc:
             return self._source_failed("haproxy", now, exc)
+        except (KeyError, ValueError, IndexError) as exc:
+            unreadable = RuntimeApiError(
+                f"HAProxy's answer on {self.api.socket_path} is not `show stat` / `show servers "
+                f"state` as this client reads them: {exc!r}"
+            )
+            return self._source_failed("haproxy", now, unreadable)
         self.metrics.source_up.labels("haproxy").set(1)
         try:
             recommendations = await self.analyzer.recommendations()
@@ -133,6 +144,10 @@ class Controller:
             return self._source_failed("analyzer", now, exc)
         self.metrics.source_up.labels("analyzer").set(1)
         observed = observed_from(states, stats, now, self.settings.backends)
+        # what the analyzer no longer lists cannot come back to be logged or acked
+        listed = {r.id for r in recommendations}
+        self._acked &= listed
+        self._said = {said for said in self._said if said[0] in listed}
         open_recs = [
             r
             for r in recommendations

@@ -375,3 +375,31 @@ def test_agent_check_responder_sets_weights_and_states_without_the_socket(
                 await agent.close()
 
     asyncio.run(scenario())
+
+
+def test_an_unreadable_haproxy_answer_costs_the_pass_not_the_process(tmp_path: Path) -> None:
+    """A socket that answers garbage, as a wrong socket path or another program would."""
+
+    async def scenario() -> None:
+        async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readline()
+            writer.write(b"1\n# be_name srv_name\nonly two\n")
+            writer.close()
+
+        path = tmp_path / "odd.sock"
+        server = await asyncio.start_unix_server(garbage, path)
+        async with server, Analyzer() as analyzer, aiohttp.ClientSession() as http:
+            controller = make_controller(path, analyzer.url, http, tmp_path / "audit.jsonl")
+            report = await controller.run_once()
+            assert not report.ok and "is not `show stat`" in (report.error or "")
+            assert sample(controller, "gpubalance_controller_source_up", source="haproxy") == 0
+            stop = asyncio.Event()
+            task = asyncio.create_task(controller.run(stop))
+            async with asyncio.timeout(20):
+                while controller.passes < 3:
+                    await asyncio.sleep(0.01)
+            stop.set()
+            await task
+            assert controller.failures >= 3
+
+    asyncio.run(scenario())
