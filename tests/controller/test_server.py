@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,15 @@ def test_metrics_serve_the_controller_series(tmp_path: Path) -> None:
         } <= names
         assert 'gpubalance_controller_source_up{source="haproxy"} 0.0' in text
         assert 'gpubalance_controller_refusals_total{reason="last_ready_server"} 0.0' in text
+        if shutil.which("promtool") is not None:
+            result = subprocess.run(
+                ["promtool", "check", "metrics"],
+                input=text,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert result.returncode == 0, result.stdout + result.stderr
 
     asyncio.run(scenario())
 
