@@ -20,9 +20,10 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from typing import cast
 
 from gpubalance.controller.actuator import ActuatorError
-from gpubalance.controller.haproxy import MAX_WEIGHT, AdminState
+from gpubalance.controller.haproxy import ADMIN_STATES, MAX_WEIGHT, AdminState
 from gpubalance.controller.model import Change
 
 log = logging.getLogger("gpubalance.controller")
@@ -90,7 +91,8 @@ class AgentCheckResponder:
             assert isinstance(change.value, int)
             word.weight_percent = weight_percent(change.value, change.initial_weight)
         else:
-            word.state = change.value  # type: ignore[assignment]
+            assert change.value in ADMIN_STATES
+            word.state = cast(AdminState, change.value)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

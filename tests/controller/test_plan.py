@@ -356,3 +356,16 @@ def test_guard_trips_the_breaker_past_the_share_of_changed_servers() -> None:
     # servers changed before the window do not count
     old = [replace(a, at_seconds=NOW - 400) for a in history]
     assert run_guard([change("be/s2", "drain")], FOUR, old) == (["be/s2"], [], False)
+
+
+def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
+    from gpubalance.controller.actuator import ActuatorError
+    from gpubalance.controller.agent import weight_percent
+
+    assert weight_percent(40, 100) == 40
+    assert weight_percent(2, 3) == 67  # HAProxy: 3 * 67 // 100 == 2
+    assert weight_percent(256, 128) == 200
+    with pytest.raises(ActuatorError, match=r"steps of 3\.0"):
+        weight_percent(5, 300)
+    with pytest.raises(ActuatorError, match="configured weight, which is 0"):
+        weight_percent(5, 0)
