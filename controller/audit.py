@@ -59,6 +59,13 @@ class AuditLog:
             if e.get("decision") == "applied" and e.get("at_seconds", 0) >= since_seconds
         ]
 
+    def last_rearm(self) -> float:
+        """When a person last re-armed the breaker (0 if never): earlier changes do not count."""
+        return max(
+            (e["at_seconds"] for e in self.entries() if e.get("decision") == "rearmed"),
+            default=0.0,
+        )
+
     def breaker_open(self) -> bool:
         """The breaker stays open across a restart until a person re-arms it."""
         last = [

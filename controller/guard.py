@@ -8,7 +8,8 @@ seen in `dwell_cycles` passes, while its server is frozen after another recommen
 and once `max_actions_per_hour` are spent. It is refused when it would leave a backend that
 serves with no server serving (the last ready, up, weighted server). The breaker trips when a
 change would make more than `breaker_share` of the managed servers changed within
-`breaker_window_seconds`; a person re-arms it.
+`breaker_window_seconds`; a person re-arms it, and the changes before the re-arm no longer
+count.
 """
 
 from __future__ import annotations
@@ -53,10 +54,16 @@ def guard(
     *,
     paused: bool,
     breaker_open: bool,
+    rearmed_at_seconds: float = 0.0,
 ) -> Guarded:
     now = observed.at_seconds
     spent = sum(1 for a in history if now - a.at_seconds < HOUR_SECONDS)
-    changed = {a.key for a in history if now - a.at_seconds < settings.breaker_window_seconds}
+    changed = {
+        a.key
+        for a in history
+        if now - a.at_seconds < settings.breaker_window_seconds
+        and a.at_seconds > rearmed_at_seconds
+    }
     last: dict[str, Applied] = {}
     for applied in sorted(history, key=lambda a: a.at_seconds):
         last[applied.key] = applied

@@ -74,6 +74,7 @@ class Controller:
         self.clock = clock
         self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
         self.breaker_open = audit.breaker_open()
+        self.rearmed_at = audit.last_rearm()
         self.paused = False
         self.failures = 0  # passes failed in a row: the back-off
         self.last: PassReport | None = None
@@ -166,6 +167,7 @@ class Controller:
             self.settings,
             paused=self.paused,
             breaker_open=self.breaker_open,
+            rearmed_at_seconds=self.rearmed_at,
         )
         report = PassReport(
             at_seconds=now,
@@ -273,8 +275,9 @@ class Controller:
 
     def rearm(self) -> None:
         self.breaker_open = False
+        self.rearmed_at = self.clock()
         self.metrics.breaker_tripped.set(0)
-        self.audit.record(self.clock(), "rearmed")
+        self.audit.record(self.rearmed_at, "rearmed")
 
     def status(self) -> dict[str, Any]:
         last = self.last

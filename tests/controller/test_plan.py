@@ -356,6 +356,18 @@ def test_guard_trips_the_breaker_past_the_share_of_changed_servers() -> None:
     # servers changed before the window do not count
     old = [replace(a, at_seconds=NOW - 400) for a in history]
     assert run_guard([change("be/s2", "drain")], FOUR, old) == (["be/s2"], [], False)
+    # nor do those changed before a person re-armed it
+    rearmed = guard(
+        [change("be/s2", "drain"), change("be/s3", "drain")],
+        FOUR,
+        history,
+        {"r": 5},
+        SETTINGS,
+        paused=False,
+        breaker_open=False,
+        rearmed_at_seconds=NOW - 80,
+    )
+    assert [c.key for c in rearmed.allowed] == ["be/s2", "be/s3"] and not rearmed.tripped
 
 
 def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
