@@ -35,7 +35,7 @@ HOUR_SECONDS = 3600.0
 class Guarded:
     allowed: tuple[Change, ...]
     refusals: tuple[Refusal, ...]
-    tripped: bool  # the breaker tripped in this pass
+    tripped: str | None  # why the breaker tripped in this pass; None when it did not
 
 
 def _after(server: ObservedServer, change: Change) -> ObservedServer:
@@ -73,7 +73,7 @@ def guard(
         serving[server.backend] = serving.get(server.backend, 0) + server.serving
     allowed: list[Change] = []
     refusals: list[Refusal] = []
-    tripped = False
+    tripped: str | None = None
 
     def wait(
         change: Change, reason: RefusalReason, detail: str, ack: AckStatus | None = None
@@ -85,7 +85,7 @@ def guard(
         before = last.get(change.key)
         if paused:
             wait(change, "paused", "the controller is paused (POST /api/v1/resume)")
-        elif breaker_open or tripped:
+        elif breaker_open or tripped is not None:
             wait(change, "breaker_open", "the breaker is open; a person re-arms it")
         elif seen_cycles.get(rec_id, 0) < settings.dwell_cycles:
             wait(
@@ -118,14 +118,12 @@ def guard(
             change.key not in changed
             and (len(changed) + 1) / max(len(servers), 1) > settings.breaker_share
         ):
-            tripped = True
-            wait(
-                change,
-                "breaker_open",
+            tripped = (
                 f"{len(changed) + 1} of {len(servers)} servers changed within "
                 f"{settings.breaker_window_seconds:.0f} s would exceed "
-                f"{settings.breaker_share:.0%}; the breaker trips",
+                f"{settings.breaker_share:.0%}; the breaker trips"
             )
+            wait(change, "breaker_open", tripped)
         else:
             allowed.append(change)
             spent += 1

@@ -176,10 +176,10 @@ class Controller:
             recommendations=len(open_recs),
             planned=[_describe(c) for c in planned.changes],
         )
-        if guarded.tripped:
+        if guarded.tripped is not None:
             self.breaker_open = True
             self.metrics.breaker_tripped.set(1)
-            self.audit.record(now, "breaker_tripped", reason=guarded.refusals[-1].detail)
+            self.audit.record(now, "breaker_tripped", reason=guarded.tripped)
             log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
 
         # record refusals and met recommendations, act

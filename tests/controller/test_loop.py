@@ -204,6 +204,10 @@ def test_the_breaker_trips_stays_open_across_a_restart_and_a_person_rearms_it(
                 report = await controller.run_once()
                 # two of four changed is 50 %, the third would exceed it
                 assert len(report.applied) == 2 and controller.breaker_open
+                [trip] = [e for e in audit(log) if e["decision"] == "breaker_tripped"]
+                assert trip["reason"] == (
+                    "3 of 4 servers changed within 300 s would exceed 50%; the breaker trips"
+                )
                 assert sample(controller, "gpubalance_controller_breaker_tripped") == 1
                 assert sorted(w for w, _ in weights(haproxy.api).values()) == [50, 50, 100, 100]
                 again = await controller.run_once()
