@@ -53,10 +53,13 @@ class AuditLog:
         return found
 
     def applied_since(self, since_seconds: float) -> list[Applied]:
+        fields = ("at_seconds", "target", "recommendation", "action")
         return [
-            Applied(e["at_seconds"], e["target"], e["recommendation"], e["action"])
+            Applied(*(e[f] for f in fields))
             for e in self.entries()
-            if e.get("decision") == "applied" and e.get("at_seconds", 0) >= since_seconds
+            if e.get("decision") == "applied"
+            and all(f in e for f in fields)
+            and e["at_seconds"] >= since_seconds
         ]
 
     def last_rearm(self) -> float:

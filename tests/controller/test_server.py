@@ -319,3 +319,23 @@ def entries(path: Path) -> list[dict[str, object]]:
         return []
     # the writer may be mid-line: only whole lines count
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def test_the_audit_log_reads_back_past_a_torn_or_hand_edited_line(tmp_path: Path) -> None:
+    from gpubalance.controller.audit import AuditLog
+    from gpubalance.controller.model import Applied
+
+    path = tmp_path / "audit.jsonl"
+    good = {"at_seconds": 10.0, "decision": "applied", "target": "be/s1"}
+    good |= {"recommendation": "r1", "action": "drain"}
+    lines = [
+        json.dumps(good),
+        json.dumps({"at_seconds": 11.0, "decision": "applied"}),  # edited by hand
+        json.dumps({"at_seconds": 12.0, "decision": "breaker_tripped"}),
+        '{"at_seconds": 13.0, "decis',  # the process died mid-write
+    ]
+    path.write_text("\n".join(lines))
+    log = AuditLog(path)
+    assert log.applied_since(0) == [Applied(10.0, "be/s1", "r1", "drain")]
+    assert log.applied_since(10.5) == []
+    assert log.breaker_open() and log.last_rearm() == 0.0
