@@ -1,0 +1,139 @@
+"""guard(): which planned changes may run now, and why the others may not.
+
+Pure, like `plan`: it reads the changes, HAProxy's state, the changes already applied (from the
+audit log after a restart) and how many passes saw each recommendation. In order, a change
+waits while the controller is paused or its breaker is open, until its recommendation has been
+seen in `dwell_cycles` passes, while its server is frozen after another recommendation's change
+(`freeze_seconds`; one recommendation's own steps, a weight ramp or drain-then-maint, continue),
+and once `max_actions_per_hour` are spent. It is refused when it would leave a backend that
+serves with no server serving (the last ready, up, weighted server). The breaker trips when a
+change would make more than `breaker_share` of the managed servers changed within
+`breaker_window_seconds`; a person re-arms it, and the changes before the re-arm no longer
+count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from gpubalance.controller.model import (
+    Applied,
+    Change,
+    Observed,
+    ObservedServer,
+    Refusal,
+    RefusalReason,
+    Settings,
+)
+from gpubalance.diagnosis import AckStatus
+
+HOUR_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Guarded:
+    allowed: tuple[Change, ...]
+    refusals: tuple[Refusal, ...]
+    tripped: str | None  # why the breaker tripped in this pass; None when it did not
+
+
+def _after(server: ObservedServer, change: Change) -> ObservedServer:
+    if change.kind == "set_weight":
+        assert isinstance(change.value, int)
+        return replace(server, weight=change.value)
+    return replace(server, admin=change.value)
+
+
+def guard(
+    changes: Sequence[Change],
+    observed: Observed,
+    history: Sequence[Applied],
+    seen_cycles: Mapping[str, int],
+    settings: Settings,
+    *,
+    paused: bool,
+    breaker_open: bool,
+    rearmed_at_seconds: float = 0.0,
+) -> Guarded:
+    now = observed.at_seconds
+    spent = sum(1 for a in history if now - a.at_seconds < HOUR_SECONDS)
+    changed = {
+        a.key
+        for a in history
+        if now - a.at_seconds < settings.breaker_window_seconds
+        and a.at_seconds > rearmed_at_seconds
+    }
+    last: dict[str, Applied] = {}
+    for applied in sorted(history, key=lambda a: a.at_seconds):
+        last[applied.key] = applied
+    servers = dict(observed.servers)
+    serving: dict[str, int] = {}  # per backend, as the changes allowed so far leave it
+    for server in servers.values():
+        serving[server.backend] = serving.get(server.backend, 0) + server.serving
+    allowed: list[Change] = []
+    refusals: list[Refusal] = []
+    tripped: str | None = None
+
+    def wait(
+        change: Change, reason: RefusalReason, detail: str, ack: AckStatus | None = None
+    ) -> None:
+        refusals.append(Refusal(change.recommendation_id, reason, detail, ack, change.key))
+
+    for change in changes:
+        rec_id = change.recommendation_id
+        before = last.get(change.key)
+        if paused:
+            wait(change, "paused", "the controller is paused (POST /api/v1/resume)")
+        elif breaker_open or tripped is not None:
+            wait(change, "breaker_open", "the breaker is open; a person re-arms it")
+        elif seen_cycles.get(rec_id, 0) < settings.dwell_cycles:
+            wait(
+                change,
+                "dwell",
+                f"seen in {seen_cycles.get(rec_id, 0)} of {settings.dwell_cycles} passes",
+            )
+        elif (
+            before is not None
+            and before.recommendation_id != rec_id
+            and now - before.at_seconds < settings.freeze_seconds
+        ):
+            wait(
+                change,
+                "frozen",
+                f"{change.key} changed {now - before.at_seconds:.0f} s ago "
+                f"(freeze {settings.freeze_seconds:.0f} s)",
+            )
+        elif spent >= settings.max_actions_per_hour:
+            wait(change, "rate_limited", f"{spent} actions in the last hour")
+        elif _empties_pool(servers[change.key], change, serving[change.backend]):
+            wait(
+                change,
+                "last_ready_server",
+                f"{change.action} of {change.key} would leave backend {change.backend} "
+                "with no server taking requests",
+                ack="rejected",
+            )
+        elif (
+            change.key not in changed
+            and (len(changed) + 1) / max(len(servers), 1) > settings.breaker_share
+        ):
+            tripped = (
+                f"{len(changed) + 1} of {len(servers)} servers changed within "
+                f"{settings.breaker_window_seconds:.0f} s would exceed "
+                f"{settings.breaker_share:.0%}; the breaker trips"
+            )
+            wait(change, "breaker_open", tripped)
+        else:
+            allowed.append(change)
+            spent += 1
+            changed.add(change.key)
+            after = _after(servers[change.key], change)
+            serving[change.backend] += after.serving - servers[change.key].serving
+            servers[change.key] = after
+    return Guarded(allowed=tuple(allowed), refusals=tuple(refusals), tripped=tripped)
+
+
+def _empties_pool(server: ObservedServer, change: Change, serving: int) -> bool:
+    # a backend with nothing serving already cannot lose capacity to this change
+    return serving > 0 and serving - server.serving + _after(server, change).serving == 0

@@ -1,0 +1,302 @@
+"""The reconcile loop: observe -> plan -> guard -> act -> record, every `interval_seconds`.
+
+Level-triggered: each pass reads HAProxy's servers and the analyzer's recommendations afresh
+and plans from them alone, so a pass that finds HAProxy already as asked does nothing, and a
+restarted controller picks up where HAProxy is. What HAProxy cannot show, the changes this
+controller made (rate limit, freezes, breaker), comes back from the audit log. A recommendation
+the controller has acknowledged (the analyzer lists its acks) is finished.
+
+An unreachable HAProxy socket or analyzer means no action in that pass, `source_up` 0, and the
+next pass after a doubling back-off (up to `MAX_BACKOFF_SECONDS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpubalance.controller.actuator import Actuator, ActuatorError
+from gpubalance.controller.analyzer_client import AnalyzerClient, AnalyzerError
+from gpubalance.controller.audit import AuditLog
+from gpubalance.controller.guard import HOUR_SECONDS, guard
+from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError
+from gpubalance.controller.metrics import Metrics
+from gpubalance.controller.model import Applied, Change, Refusal, Settings, observed_from
+from gpubalance.controller.plan import plan
+from gpubalance.diagnosis import AckStatus
+
+log = logging.getLogger("gpubalance.controller")
+
+MAX_BACKOFF_SECONDS = 300.0
+IDENTITY = "gpubalance-controller"
+
+
+@dataclass(slots=True)
+class PassReport:
+    """What one pass saw and did, for `GET /api/v1/status` and the tests."""
+
+    at_seconds: float
+    ok: bool
+    error: str | None = None
+    servers: int = 0
+    recommendations: int = 0
+    planned: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    met: list[str] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(
+        self,
+        api: RuntimeApi,
+        actuator: Actuator,
+        analyzer: AnalyzerClient,
+        audit: AuditLog,
+        metrics: Metrics,
+        settings: Settings,
+        *,
+        identity: str = IDENTITY,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.actuator = actuator
+        self.analyzer = analyzer
+        self.audit = audit
+        self.metrics = metrics
+        self.settings = settings
+        self.identity = identity
+        self.clock = clock
+        self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
+        self.breaker_open = audit.breaker_open()
+        self.rearmed_at = audit.last_rearm()
+        self.paused = False
+        self.failures = 0  # passes failed in a row: the back-off
+        self.last: PassReport | None = None
+        self.passes = 0
+        self._seen: dict[str, int] = {}
+        self._acked: set[str] = set()
+        # (recommendation, target, decision, reason): a waiting decision is logged once
+        self._said: set[tuple[str, str, str, str]] = set()
+        metrics.dry_run.set(0 if settings.act else 1)
+        metrics.breaker_tripped.set(1 if self.breaker_open else 0)
+        metrics.paused.set(0)
+
+    @property
+    def _horizon(self) -> float:
+        return max(HOUR_SECONDS, self.settings.breaker_window_seconds, self.settings.freeze_seconds)
+
+    def next_delay(self) -> float:
+        if self.failures == 0:
+            return self.settings.interval_seconds
+        return min(self.settings.interval_seconds * 2**self.failures, MAX_BACKOFF_SECONDS)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except Exception:
+                # a bug or an answer nobody foresaw costs this pass, not the process
+                log.exception("pass failed; retrying with back-off")
+                self.failures += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.next_delay())
+
+    async def run_once(self) -> PassReport:
+        started = time.monotonic()
+        try:
+            report = await self._pass()
+        finally:
+            self.metrics.cycle_duration.observe(time.monotonic() - started)
+        self.failures = 0 if report.ok else self.failures + 1
+        self.passes += 1
+        self.last = report
+        return report
+
+    def _source_failed(self, source: str, now: float, exc: Exception) -> PassReport:
+        self.metrics.source_up.labels(source).set(0)
+        self.metrics.source_errors.labels(source).inc()
+        log.warning("%s; no action this pass, retrying with back-off", exc)
+        return PassReport(at_seconds=now, ok=False, error=str(exc))
+
+    async def _pass(self) -> PassReport:
+        now = self.clock()
+        # observe
+        try:
+            states = await asyncio.to_thread(self.api.show_servers_state)
+            stats = await asyncio.to_thread(self.api.show_stat)
+        except RuntimeApiError as exc:
+            return self._source_failed("haproxy", now, exc)
+        except (KeyError, ValueError, IndexError) as exc:
+            unreadable = RuntimeApiError(
+                f"HAProxy's answer on {self.api.socket_path} is not `show stat` / `show servers "
+                f"state` as this client reads them: {exc!r}"
+            )
+            return self._source_failed("haproxy", now, unreadable)
+        self.metrics.source_up.labels("haproxy").set(1)
+        try:
+            recommendations = await self.analyzer.recommendations()
+        except AnalyzerError as exc:
+            return self._source_failed("analyzer", now, exc)
+        self.metrics.source_up.labels("analyzer").set(1)
+        observed = observed_from(states, stats, now, self.settings.backends)
+        # what the analyzer no longer lists cannot come back to be logged or acked
+        listed = {r.id for r in recommendations}
+        self._acked &= listed
+        self._said = {said for said in self._said if said[0] in listed}
+        open_recs = [
+            r
+            for r in recommendations
+            if r.id not in self._acked and not any(a.by == self.identity for a in r.acks)
+        ]
+        self._seen = {r.id: self._seen.get(r.id, 0) + 1 for r in open_recs}
+        self.history = [a for a in self.history if now - a.at_seconds < self._horizon]
+
+        # plan, guard
+        planned = plan(observed, open_recs, self.history, self.settings)
+        guarded = guard(
+            planned.changes,
+            observed,
+            self.history,
+            self._seen,
+            self.settings,
+            paused=self.paused,
+            breaker_open=self.breaker_open,
+            rearmed_at_seconds=self.rearmed_at,
+        )
+        report = PassReport(
+            at_seconds=now,
+            ok=True,
+            servers=len(observed.servers),
+            recommendations=len(open_recs),
+            planned=[_describe(c) for c in planned.changes],
+        )
+        if guarded.tripped is not None:
+            self.breaker_open = True
+            self.metrics.breaker_tripped.set(1)
+            self.audit.record(now, "breaker_tripped", reason=guarded.tripped)
+            log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
+
+        # record refusals and met recommendations, act
+        for refusal in (*planned.refusals, *guarded.refusals):
+            await self._refuse(refusal, now)
+            report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
+        for rec_id in planned.converged:
+            report.met.append(rec_id)
+            if self._first("met", rec_id, "", ""):
+                self.audit.record(now, "met", recommendation=rec_id, dry_run=not self.settings.act)
+            if self.settings.act:
+                await self._ack(rec_id, "applied", "HAProxy shows what it asks for")
+        for change in guarded.allowed:
+            if await self._act(change, now):
+                report.applied.append(_describe(change))
+        return report
+
+    def _first(self, decision: str, rec_id: str, target: str, reason: str) -> bool:
+        key = (rec_id, target, decision, reason)
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
+    async def _refuse(self, refusal: Refusal, now: float) -> None:
+        decision = "waiting" if refusal.ack is None else refusal.ack
+        if self._first(decision, refusal.recommendation_id, refusal.target, refusal.reason):
+            self.metrics.refusals.labels(refusal.reason).inc()
+            self.audit.record(
+                now,
+                decision,
+                recommendation=refusal.recommendation_id,
+                target=refusal.target,
+                reason=f"{refusal.reason}: {refusal.detail}",
+            )
+            log.info("%s %s: %s", refusal.recommendation_id, decision, refusal.detail)
+        if refusal.ack is not None:
+            await self._ack(
+                refusal.recommendation_id, refusal.ack, f"{refusal.reason}: {refusal.detail}"
+            )
+
+    async def _ack(self, rec_id: str, status: AckStatus, reason: str) -> None:
+        if rec_id in self._acked:
+            return
+        try:
+            await self.analyzer.ack(rec_id, status, reason, self.identity)
+        except AnalyzerError as exc:
+            # the refusal or the met state is derived again next pass, and acked then
+            self.metrics.source_errors.labels("analyzer").inc()
+            log.warning("ack of %s not delivered: %s", rec_id, exc)
+            return
+        self._acked.add(rec_id)
+
+    async def _act(self, change: Change, now: float) -> bool:
+        fields: dict[str, Any] = {
+            "recommendation": change.recommendation_id,
+            "target": change.key,
+            "action": change.action,
+            "before": change.before,
+            "after": change.value,
+        }
+        if not self.settings.act:
+            if self._first("dry_run", change.recommendation_id, change.key, str(change.value)):
+                self.metrics.actions.labels(change.action, "dry_run").inc()
+                self.audit.record(
+                    now, "dry_run", reason="dry-run: start with --act to act", **fields
+                )
+            return False
+        try:
+            await self.actuator.apply(change)
+        except ActuatorError as exc:
+            self.metrics.actions.labels(change.action, "failed").inc()
+            self.audit.record(now, "failed", reason=str(exc), **fields)
+            log.error("%s failed: %s", _describe(change), exc)
+            return False
+        self.history.append(Applied(now, change.key, change.recommendation_id, change.action))
+        self.metrics.actions.labels(change.action, "applied").inc()
+        self.audit.record(now, "applied", reason=self.actuator.name, **fields)
+        log.info("%s (%s)", _describe(change), change.recommendation_id)
+        return True
+
+    # a person's controls (the HTTP server checks the token)
+
+    def pause(self) -> None:
+        self.paused = True
+        self.metrics.paused.set(1)
+        self.audit.record(self.clock(), "paused")
+
+    def resume(self) -> None:
+        self.paused = False
+        self.metrics.paused.set(0)
+        self.audit.record(self.clock(), "resumed")
+
+    def rearm(self) -> None:
+        self.breaker_open = False
+        self.rearmed_at = self.clock()
+        self.metrics.breaker_tripped.set(0)
+        self.audit.record(self.rearmed_at, "rearmed")
+
+    def status(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "mode": "act" if self.settings.act else "dry_run",
+            "actuator": self.actuator.name,
+            "paused": self.paused,
+            "breaker_open": self.breaker_open,
+            "passes": self.passes,
+            "failures_in_a_row": self.failures,
+            "next_pass_in_seconds": self.next_delay(),
+            "applied_last_hour": sum(
+                1 for a in self.history if self.clock() - a.at_seconds < HOUR_SECONDS
+            ),
+            "last_pass": None if last is None else asdict(last),
+        }
+
+
+def _describe(change: Change) -> str:
+    if change.kind == "set_weight":
+        return f"set server {change.key} weight {change.value} (was {change.before})"
+    return f"set server {change.key} state {change.value} (was {change.before})"

@@ -1,0 +1,62 @@
+"""The controller's Prometheus metrics, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpubalance.controller.model import REFUSAL_REASONS
+
+SOURCES = ("haproxy", "analyzer")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.actions = Counter(
+            "gpubalance_controller_actions",
+            "Changes decided, by action (set_weight, drain, ready, maint) and outcome "
+            "(applied, dry_run, failed)",
+            ["action", "outcome"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "gpubalance_controller_refusals",
+            "Recommendations or changes not carried out, by reason; each reason once per "
+            "recommendation and target",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
+        self.breaker_tripped = Gauge(
+            "gpubalance_controller_breaker_tripped",
+            "1 while the blast-radius breaker is open (POST /api/v1/rearm closes it)",
+            registry=r,
+        )
+        self.dry_run = Gauge(
+            "gpubalance_controller_dry_run", "1 unless started with --act", registry=r
+        )
+        self.paused = Gauge(
+            "gpubalance_controller_paused", "1 while paused (POST /api/v1/resume)", registry=r
+        )
+        self.source_up = Gauge(
+            "gpubalance_controller_source_up",
+            "1 when the last pass read the source (haproxy, analyzer), 0 when it failed",
+            ["source"],
+            registry=r,
+        )
+        self.source_errors = Counter(
+            "gpubalance_controller_source_errors",
+            "Failed reads of or writes to a source (haproxy, analyzer)",
+            ["source"],
+            registry=r,
+        )
+        for source in SOURCES:
+            self.source_errors.labels(source)
+        self.cycle_duration = Histogram(
+            "gpubalance_controller_cycle_duration_seconds",
+            "Time of one observe-plan-guard-act-record pass",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )

@@ -1,0 +1,264 @@
+"""plan(): observed HAProxy state + recommendations -> the changes that move it toward them.
+
+Pure: the same inputs give the same plan, and a state that already shows what the
+recommendations ask for plans nothing. What a recommendation asks, per action:
+
+- `set_weights`: target a backend (`be_gpu`), `parameters["weights"]` maps its server names to
+  weights 0..256; each pass moves a weight by at most `Settings.max_weight_step`;
+- `drain`: target `backend/server`, which takes no new requests (its sessions finish);
+- `remove_worker`: target `backend/server`, drained first, then `maint` once its sessions reach
+  0 (failed after `Settings.drain_timeout_seconds`);
+- `add_worker`: target `backend/server`, back to `ready`.
+
+Other actions (moves, pools, batching) are refused as unsupported by this controller. A
+recommendation that is expired, stale, aimed at an unknown backend or server, or asks one server
+for two values at once together with another one, is refused with the reason. Within a backend
+the cheapest rung of the ladder (lowest `cost_rank`) goes first; dearer ones wait until it is
+met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpubalance.controller.haproxy import MAX_WEIGHT, AdminState
+from gpubalance.controller.model import (
+    Applied,
+    Change,
+    Observed,
+    ObservedServer,
+    Plan,
+    Refusal,
+    RefusalReason,
+    Settings,
+    server_key,
+)
+from gpubalance.diagnosis import Recommendation
+
+# the admin state each server action asks for
+_ADMIN_OF: Mapping[str, AdminState] = {
+    "drain": "drain",
+    "remove_worker": "maint",
+    "add_worker": "ready",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Want:
+    """One value a recommendation asks of one server."""
+
+    server: ObservedServer
+    attribute: str  # "weight" | "admin"
+    value: int | AdminState
+
+
+def plan(
+    observed: Observed,
+    recommendations: Sequence[Recommendation],
+    history: Sequence[Applied],
+    settings: Settings,
+) -> Plan:
+    now = observed.at_seconds
+    refusals: list[Refusal] = []
+    wants: dict[str, list[_Want]] = {}
+    by_id: dict[str, Recommendation] = {}
+    for rec in recommendations:
+        if settings.host is not None and rec.host != settings.host:
+            continue  # another host's controller acts on it
+        refusal = _check(rec, now, settings)
+        if refusal is None:
+            parsed = _wants(rec, observed)
+            if isinstance(parsed, Refusal):
+                refusal = parsed
+            else:
+                wants[rec.id] = parsed
+                by_id[rec.id] = rec
+        if refusal is not None:
+            refusals.append(refusal)
+
+    split = _contradictory(wants)
+    for rec_id, others in split.items():
+        refusals.append(
+            Refusal(
+                rec_id,
+                "contradictory",
+                f"asks {_describe(wants[rec_id])} while {', '.join(others)} asks otherwise",
+                ack="rejected",
+                target=by_id[rec_id].target,
+            )
+        )
+    for rec_id in split:
+        del wants[rec_id]
+
+    open_ids = [rec_id for rec_id, ws in wants.items() if not all(_met(w) for w in ws)]
+    converged = tuple(sorted(rec_id for rec_id in wants if rec_id not in open_ids))
+    cheapest: dict[str, int] = {}
+    for rec_id in open_ids:
+        backend = wants[rec_id][0].server.backend
+        cheapest[backend] = min(
+            cheapest.get(backend, by_id[rec_id].cost_rank), by_id[rec_id].cost_rank
+        )
+
+    changes: list[Change] = []
+    planned: set[tuple[str, str]] = set()
+    for rec_id in sorted(open_ids):
+        rec = by_id[rec_id]
+        backend = wants[rec_id][0].server.backend
+        if rec.cost_rank > cheapest[backend]:
+            refusals.append(
+                Refusal(
+                    rec_id,
+                    "ladder",
+                    f"waits for the cheaper recommendations on {backend} (cost rank "
+                    f"{cheapest[backend]}) to be met first",
+                    target=rec.target,
+                )
+            )
+            continue
+        for want in wants[rec_id]:
+            if _met(want):
+                continue
+            step = _step(want, rec, now, history, settings)
+            if isinstance(step, Refusal):
+                refusals.append(step)
+            elif (step.key, step.kind) not in planned:
+                # two recommendations that agree on a server change it once
+                planned.add((step.key, step.kind))
+                changes.append(step)
+    changes.sort(key=lambda c: (c.cost_rank, c.key, c.kind))
+    return Plan(changes=tuple(changes), refusals=tuple(refusals), converged=converged)
+
+
+def _check(rec: Recommendation, now: float, settings: Settings) -> Refusal | None:
+    if rec.expires_seconds <= now:
+        return Refusal(
+            rec.id,
+            "expired",
+            f"expired {now - rec.expires_seconds:.0f} s ago",
+            ack="rejected",
+            target=rec.target,
+        )
+    age = now - rec.created_seconds
+    if age > settings.max_age_seconds:
+        return Refusal(
+            rec.id,
+            "stale",
+            f"made {age:.0f} s ago, over the {settings.max_age_seconds:.0f} s limit",
+            ack="rejected",
+            target=rec.target,
+        )
+    return None
+
+
+def _wants(rec: Recommendation, observed: Observed) -> list[_Want] | Refusal:
+    def refuse(reason: RefusalReason, detail: str) -> Refusal:
+        return Refusal(rec.id, reason, detail, ack="rejected", target=rec.target)
+
+    if rec.action == "set_weights":
+        pool = {s.server: s for s in observed.pool(rec.target)}
+        if not pool:
+            return refuse(
+                "unknown_target",
+                f"backend {rec.target!r} is not among {sorted(observed.backends)}",
+            )
+        weights = rec.parameters.get("weights")
+        if not isinstance(weights, Mapping) or not weights:
+            return refuse("bad_parameters", "set_weights needs parameters.weights {server: 0..256}")
+        found = []
+        for name, weight in weights.items():
+            if name not in pool:
+                return refuse("unknown_target", f"server {name!r} is not in backend {rec.target!r}")
+            if isinstance(weight, bool) or not isinstance(weight, int):
+                return refuse("bad_parameters", f"weight of {name!r} is {weight!r}, not a number")
+            if not 0 <= weight <= MAX_WEIGHT:
+                return refuse("bad_parameters", f"weight {weight} of {name!r} is outside 0..256")
+            found.append(_Want(pool[name], "weight", weight))
+        return found
+    if rec.action in _ADMIN_OF:
+        backend, sep, name = rec.target.partition("/")
+        server = observed.servers.get(server_key(backend, name)) if sep else None
+        if server is None:
+            return refuse(
+                "unknown_target",
+                f"{rec.action} needs a target backend/server HAProxy has; {rec.target!r} is not",
+            )
+        return [_Want(server, "admin", _ADMIN_OF[rec.action])]
+    return refuse(
+        "unsupported_action",
+        f"{rec.action} is not carried out by this controller (set_weights, drain, "
+        "remove_worker, add_worker are)",
+    )
+
+
+def _contradictory(wants: Mapping[str, list[_Want]]) -> dict[str, list[str]]:
+    """Each recommendation asking a server for a value another one asks differently -> those."""
+    asked: dict[tuple[str, str], dict[str, object]] = {}
+    for rec_id, ws in wants.items():
+        for w in ws:
+            asked.setdefault((w.server.key, w.attribute), {})[rec_id] = w.value
+    split: dict[str, set[str]] = {}
+    for values in asked.values():
+        if len(set(values.values())) > 1:
+            for rec_id in values:
+                split.setdefault(rec_id, set()).update(set(values) - {rec_id})
+    return {rec_id: sorted(others) for rec_id, others in sorted(split.items())}
+
+
+def _describe(ws: list[_Want]) -> str:
+    return ", ".join(f"{w.server.key} {w.attribute} {w.value}" for w in ws)
+
+
+def _met(want: _Want) -> bool:
+    current = want.server.weight if want.attribute == "weight" else want.server.admin
+    return current == want.value
+
+
+def _step(
+    want: _Want,
+    rec: Recommendation,
+    now: float,
+    history: Sequence[Applied],
+    settings: Settings,
+) -> Change | Refusal:
+    server = want.server
+    if want.attribute == "weight":
+        assert isinstance(want.value, int)
+        delta = max(
+            -settings.max_weight_step, min(settings.max_weight_step, want.value - server.weight)
+        )
+        return Change(
+            "set_weight",
+            server.backend,
+            server.server,
+            server.weight + delta,
+            server.weight,
+            rec.id,
+            rec.cost_rank,
+            server.initial_weight,
+        )
+    state = want.value
+    if state == "maint" and server.admin != "drain":
+        # maint only from drain: the requests in flight finish before the server leaves
+        state = "drain"
+    elif state == "maint" and server.sessions > 0:
+        drained = [a.at_seconds for a in history if a.key == server.key and a.action == "drain"]
+        since = max(drained) if drained else rec.created_seconds
+        if now - since > settings.drain_timeout_seconds:
+            return Refusal(
+                rec.id,
+                "drain_timeout",
+                f"{server.key} still has {server.sessions} sessions {now - since:.0f} s after "
+                f"its drain (limit {settings.drain_timeout_seconds:.0f} s); it stays drained",
+                ack="failed",
+                target=rec.target,
+            )
+        return Refusal(
+            rec.id,
+            "draining",
+            f"{server.key} drains: {server.sessions} sessions left",
+            target=rec.target,
+        )
+    return Change(
+        "set_state", server.backend, server.server, state, server.admin, rec.id, rec.cost_rank
+    )

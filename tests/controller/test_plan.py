@@ -1,0 +1,383 @@
+"""plan() and guard() over hand-made and generated HAProxy states: no HAProxy needed.
+
+The generated states check the reconcile property itself: a state that already shows what the
+recommendations ask plans nothing, and applying each plan then planning again reaches that
+state, every weight moving one way only (no oscillation), within a bounded number of passes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import pytest
+
+from gpubalance.controller.guard import guard
+from gpubalance.controller.model import (
+    Applied,
+    Change,
+    Observed,
+    ObservedServer,
+    Settings,
+)
+from gpubalance.controller.plan import plan
+from gpubalance.diagnosis import Recommendation
+
+NOW = 1_800_000_000.0
+
+
+def server(
+    name: str,
+    backend: str = "be",
+    *,
+    admin: str = "ready",
+    weight: int = 100,
+    up: bool = True,
+    sessions: int = 0,
+) -> ObservedServer:
+    return ObservedServer(backend, name, admin, weight, 100, up, sessions)  # type: ignore[arg-type]
+
+
+def observed(*servers: ObservedServer, at: float = NOW) -> Observed:
+    return Observed(at_seconds=at, servers={s.key: s for s in servers})
+
+
+def rec(
+    rec_id: str,
+    action: str,
+    target: str,
+    parameters: Mapping[str, object] | None = None,
+    *,
+    created: float = NOW - 5,
+    expires: float = NOW + 600,
+    cost_rank: int = 0,
+    host: str = "h1",
+) -> Recommendation:
+    return Recommendation(
+        id=rec_id,
+        action=action,  # type: ignore[arg-type]
+        host=host,
+        target=target,
+        parameters=parameters or {},
+        reason="test",
+        evidence=(),
+        confidence=0.9,
+        created_seconds=created,
+        expires_seconds=expires,
+        cost_rank=cost_rank,
+    )
+
+
+def apply(state: Observed, changes: Sequence[Change]) -> Observed:
+    """What HAProxy shows a pass after the changes: a drained server's sessions have finished."""
+    servers = {
+        k: replace(s, sessions=0) if s.admin == "drain" else s for k, s in state.servers.items()
+    }
+    for change in changes:
+        s = servers[change.key]
+        if change.kind == "set_weight":
+            servers[change.key] = replace(s, weight=change.value)  # type: ignore[arg-type]
+        else:
+            servers[change.key] = replace(s, admin=change.value, sessions=0)  # type: ignore[arg-type]
+    return Observed(state.at_seconds, servers)
+
+
+SETTINGS = Settings(max_weight_step=32)
+
+
+def test_set_weights_steps_toward_the_target_by_the_bounded_step() -> None:
+    state = observed(server("s1", weight=100), server("s2", weight=100))
+    result = plan(
+        state, [rec("r1", "set_weights", "be", {"weights": {"s1": 10, "s2": 200}})], (), SETTINGS
+    )
+    assert [(c.server, c.value, c.before) for c in result.changes] == [
+        ("s1", 68, 100),
+        ("s2", 132, 100),
+    ]
+    assert result.refusals == () and result.converged == ()
+
+
+def test_converged_recommendations_plan_nothing_and_are_reported_met() -> None:
+    state = observed(server("s1", weight=10), server("s2", admin="drain"))
+    recs = [rec("r1", "set_weights", "be", {"weights": {"s1": 10}}), rec("r2", "drain", "be/s2")]
+    result = plan(state, recs, (), SETTINGS)
+    assert result.changes == () and result.refusals == ()
+    assert result.converged == ("r1", "r2")
+
+
+@pytest.mark.parametrize(
+    ("recommendation", "reason"),
+    [
+        (rec("r", "drain", "be/s1", expires=NOW - 1), "expired"),
+        (rec("r", "drain", "be/s1", created=NOW - 301), "stale"),
+        (rec("r", "drain", "be/nope"), "unknown_target"),
+        (rec("r", "drain", "s1"), "unknown_target"),
+        (rec("r", "set_weights", "other", {"weights": {"s1": 1}}), "unknown_target"),
+        (rec("r", "set_weights", "be", {"weights": {"zz": 1}}), "unknown_target"),
+        (rec("r", "set_weights", "be", {"weights": {"s1": 300}}), "bad_parameters"),
+        (rec("r", "set_weights", "be", {"weights": {"s1": "9"}}), "bad_parameters"),
+        (rec("r", "set_weights", "be", {"weights": {"s1": True}}), "bad_parameters"),
+        (rec("r", "set_weights", "be", {}), "bad_parameters"),
+        (rec("r", "move_worker", "gpu:2"), "unsupported_action"),
+    ],
+)
+def test_bad_recommendations_are_rejected_with_the_reason(
+    recommendation: Recommendation, reason: str
+) -> None:
+    result = plan(observed(server("s1"), server("s2")), [recommendation], (), SETTINGS)
+    assert result.changes == ()
+    [refusal] = result.refusals
+    assert (refusal.recommendation_id, refusal.reason, refusal.ack) == ("r", reason, "rejected")
+    assert refusal.detail
+
+
+def test_another_hosts_recommendations_are_left_alone() -> None:
+    result = plan(
+        observed(server("s1"), server("s2")),
+        [rec("r", "drain", "be/s1", host="h2")],
+        (),
+        replace(SETTINGS, host="h1"),
+    )
+    assert result == type(result)()
+
+
+def test_contradictory_recommendations_are_both_rejected_and_agreeing_ones_change_once() -> None:
+    state = observed(server("s1"), server("s2"), server("s3"))
+    recs = [
+        rec("a", "set_weights", "be", {"weights": {"s1": 50, "s2": 90}}),
+        rec("b", "set_weights", "be", {"weights": {"s1": 80}}),
+        rec("c", "drain", "be/s3"),
+        rec("d", "drain", "be/s3"),
+    ]
+    result = plan(state, recs, (), SETTINGS)
+    assert {(r.recommendation_id, r.reason) for r in result.refusals} == {
+        ("a", "contradictory"),
+        ("b", "contradictory"),
+    }
+    assert [(c.key, c.value) for c in result.changes] == [("be/s3", "drain")]
+
+
+def test_the_cheapest_rung_goes_first_within_a_backend() -> None:
+    state = observed(server("s1"), server("s2"))
+    recs = [
+        rec("weights", "set_weights", "be", {"weights": {"s1": 80}}, cost_rank=0),
+        rec("drain", "drain", "be/s2", cost_rank=1),
+    ]
+    first = plan(state, recs, (), SETTINGS)
+    assert [c.recommendation_id for c in first.changes] == ["weights"]
+    assert [(r.recommendation_id, r.reason, r.ack) for r in first.refusals] == [
+        ("drain", "ladder", None)
+    ]
+    second = plan(apply(state, first.changes), recs, (), SETTINGS)
+    assert [c.recommendation_id for c in second.changes] == ["drain"]
+
+
+def test_remove_worker_drains_first_and_enters_maint_once_sessions_reach_zero() -> None:
+    recs = [rec("r", "remove_worker", "be/s1")]
+    first = plan(observed(server("s1", sessions=3), server("s2")), recs, (), SETTINGS)
+    assert [(c.kind, c.value) for c in first.changes] == [("set_state", "drain")]
+
+    draining = observed(server("s1", admin="drain", sessions=3), server("s2"))
+    history = [Applied(NOW - 10, "be/s1", "r", "drain")]
+    waits = plan(draining, recs, history, SETTINGS)
+    assert waits.changes == ()
+    assert [(r.reason, r.ack) for r in waits.refusals] == [("draining", None)]
+
+    late = plan(replace(draining, at_seconds=NOW + 200), recs, history, SETTINGS)
+    assert [(r.reason, r.ack) for r in late.refusals] == [("drain_timeout", "failed")]
+
+    drained = observed(server("s1", admin="drain", sessions=0), server("s2"))
+    last = plan(drained, recs, history, SETTINGS)
+    assert [(c.kind, c.value) for c in last.changes] == [("set_state", "maint")]
+
+
+def _random_state(rng: random.Random) -> Observed:
+    servers = []
+    for b in range(rng.randint(1, 3)):
+        for s in range(rng.randint(1, 5)):
+            servers.append(
+                server(
+                    f"s{s}",
+                    f"be{b}",
+                    admin=rng.choice(["ready", "ready", "drain", "maint"]),
+                    weight=rng.randint(0, 256),
+                    sessions=rng.choice([0, 0, 2]),
+                )
+            )
+    return observed(*servers)
+
+
+def _random_recommendations(rng: random.Random, state: Observed) -> list[Recommendation]:
+    """At most one weight and one admin recommendation per server: none contradict."""
+    recs = []
+    for backend in sorted(state.backends):
+        pool = state.pool(backend)
+        chosen = rng.sample(pool, rng.randint(0, len(pool)))
+        if chosen:
+            weights = {s.server: rng.randint(0, 256) for s in chosen}
+            recs.append(rec(f"w-{backend}", "set_weights", backend, {"weights": weights}))
+        for s in rng.sample(pool, rng.randint(0, len(pool))):
+            action = rng.choice(["drain", "remove_worker", "add_worker"])
+            recs.append(rec(f"{action}-{s.key}", action, s.key, cost_rank=rng.randint(0, 2)))
+    return recs
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_generated_states_converge_without_oscillating(seed: int) -> None:
+    rng = random.Random(seed)
+    state = _random_state(rng)
+    recs = _random_recommendations(rng, state)
+    # a ramp of 256 by the step, drain then maint, and three rungs of the ladder
+    bound = 3 * (math.ceil(256 / SETTINGS.max_weight_step) + 2)
+    direction: dict[str, int] = {}
+    for _ in range(bound):
+        result = plan(state, recs, (), SETTINGS)
+        assert all(r.ack is None for r in result.refusals), result.refusals
+        if not result.changes and not result.refusals:
+            break
+        for change in result.changes:
+            if change.kind == "set_weight":
+                sign = 1 if change.value > change.before else -1  # type: ignore[operator]
+                assert direction.setdefault(change.key, sign) == sign, "weight reversed"
+        state = apply(state, result.changes)
+    else:
+        pytest.fail(f"no convergence within {bound} passes")
+    # converged: planning again gives nothing, and every recommendation is met
+    again = plan(state, recs, (), SETTINGS)
+    assert again.changes == () and again.refusals == ()
+    assert set(again.converged) == {r.id for r in recs}
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_generated_converged_states_plan_nothing(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    state = _random_state(rng)
+    recs = []
+    for s in state.servers.values():
+        recs.append(rec(f"w-{s.key}", "set_weights", s.backend, {"weights": {s.server: s.weight}}))
+        if s.admin == "drain":
+            recs.append(rec(f"d-{s.key}", "drain", s.key))
+    result = plan(state, recs, (), SETTINGS)
+    assert result.changes == () and result.refusals == ()
+    assert set(result.converged) == {r.id for r in recs}
+
+
+# guard
+
+
+def change(key: str, value: object, rec_id: str = "r", kind: str = "set_state") -> Change:
+    backend, name = key.split("/")
+    return Change(kind, backend, name, value, "ready", rec_id)  # type: ignore[arg-type]
+
+
+def run_guard(
+    changes: Sequence[Change],
+    state: Observed,
+    history: Sequence[Applied] = (),
+    *,
+    seen: int = 5,
+    settings: Settings = SETTINGS,
+    paused: bool = False,
+    breaker_open: bool = False,
+) -> tuple[list[str], list[tuple[str, str | None]], bool]:
+    seen_cycles = {c.recommendation_id: seen for c in changes}
+    result = guard(
+        changes, state, history, seen_cycles, settings, paused=paused, breaker_open=breaker_open
+    )
+    return (
+        [c.key for c in result.allowed],
+        [(r.reason, r.ack) for r in result.refusals],
+        result.tripped is not None,
+    )
+
+
+FOUR = observed(*(server(f"s{i}") for i in range(4)))
+
+
+def test_guard_passes_a_plain_change() -> None:
+    assert run_guard([change("be/s0", "drain")], FOUR) == (["be/s0"], [], False)
+
+
+def test_guard_waits_for_dwell_pause_and_breaker() -> None:
+    assert run_guard([change("be/s0", "drain")], FOUR, seen=1)[1] == [("dwell", None)]
+    assert run_guard([change("be/s0", "drain")], FOUR, paused=True)[1] == [("paused", None)]
+    assert run_guard([change("be/s0", "drain")], FOUR, breaker_open=True)[1] == [
+        ("breaker_open", None)
+    ]
+
+
+def test_guard_freezes_a_server_after_another_recommendations_change() -> None:
+    history = [Applied(NOW - 30, "be/s0", "earlier", "set_weight")]
+    assert run_guard([change("be/s0", "drain")], FOUR, history)[1] == [("frozen", None)]
+    # the same recommendation's next step continues; after the freeze anything may
+    assert run_guard([change("be/s0", "drain", "earlier")], FOUR, history)[0] == ["be/s0"]
+    later = [Applied(NOW - 61, "be/s0", "earlier", "set_weight")]
+    assert run_guard([change("be/s0", "drain")], FOUR, later)[0] == ["be/s0"]
+
+
+def test_guard_limits_actions_per_hour() -> None:
+    settings = replace(SETTINGS, max_actions_per_hour=3, breaker_share=1.0)
+    history = [Applied(NOW - 3000, "be/s1", "x", "set_weight")] * 2
+    allowed, refused, _ = run_guard(
+        [change("be/s2", "drain"), change("be/s3", "drain")], FOUR, history, settings=settings
+    )
+    assert allowed == ["be/s2"] and refused == [("rate_limited", None)]
+    old = [Applied(NOW - 3700, "be/s1", "x", "set_weight")] * 5
+    assert run_guard([change("be/s2", "drain")], FOUR, old, settings=settings)[0] == ["be/s2"]
+
+
+def test_guard_never_drains_or_unweights_the_last_serving_server() -> None:
+    two = observed(server("s0"), server("s1", admin="drain"), server("t0", "other"))
+    assert run_guard([change("be/s0", "drain")], two)[1] == [("last_ready_server", "rejected")]
+    assert run_guard([change("be/s0", "maint")], two)[1] == [("last_ready_server", "rejected")]
+    zero = change("be/s0", 0, kind="set_weight")
+    assert run_guard([zero], two)[1] == [("last_ready_server", "rejected")]
+    # two servers: the first drain passes, the second would empty the pool
+    pair = observed(server("s0"), server("s1"), server("t0", "other"), server("t1", "other"))
+    settings = replace(SETTINGS, breaker_share=1.0)
+    allowed, refused, _ = run_guard(
+        [change("be/s0", "drain"), change("be/s1", "drain")], pair, settings=settings
+    )
+    assert allowed == ["be/s0"] and refused == [("last_ready_server", "rejected")]
+    # a server that is down does not count as capacity
+    down = observed(server("s0"), server("s1", up=False), server("t0", "other"))
+    assert run_guard([change("be/s0", "drain")], down)[1] == [("last_ready_server", "rejected")]
+
+
+def test_guard_trips_the_breaker_past_the_share_of_changed_servers() -> None:
+    history = [Applied(NOW - 100, "be/s0", "x", "drain"), Applied(NOW - 90, "be/s1", "y", "drain")]
+    allowed, refused, tripped = run_guard(
+        [change("be/s2", "drain"), change("be/s3", "drain")], FOUR, history
+    )
+    assert allowed == [] and tripped
+    assert refused == [("breaker_open", None), ("breaker_open", None)]
+    # servers changed before the window do not count
+    old = [replace(a, at_seconds=NOW - 400) for a in history]
+    assert run_guard([change("be/s2", "drain")], FOUR, old) == (["be/s2"], [], False)
+    # nor do those changed before a person re-armed it
+    rearmed = guard(
+        [change("be/s2", "drain"), change("be/s3", "drain")],
+        FOUR,
+        history,
+        {"r": 5},
+        SETTINGS,
+        paused=False,
+        breaker_open=False,
+        rearmed_at_seconds=NOW - 80,
+    )
+    assert [c.key for c in rearmed.allowed] == ["be/s2", "be/s3"] and rearmed.tripped is None
+
+
+def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
+    from gpubalance.controller.actuator import ActuatorError
+    from gpubalance.controller.agent import weight_percent
+
+    assert weight_percent(40, 100) == 40
+    assert weight_percent(2, 3) == 67  # HAProxy: 3 * 67 // 100 == 2
+    assert weight_percent(256, 128) == 200
+    with pytest.raises(ActuatorError, match=r"steps of 3\.0"):
+        weight_percent(5, 300)
+    with pytest.raises(ActuatorError, match="configured weight, which is 0"):
+        weight_percent(5, 0)

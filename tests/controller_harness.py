@@ -1,0 +1,224 @@
+"""Test parts for the controller: a real HAProxy over in-process backends, and an analyzer.
+
+The analyzer is the system's edge for the controller: a small aiohttp app serving
+`Recommendation`s as the analyzer's API does (a pydantic dump, mode="json") and recording the
+acks it is sent. Backends answer their name; `/hold` keeps a request in flight until released,
+so "a server has sessions" never depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from pydantic import TypeAdapter
+
+from gpubalance.controller.analyzer_client import AnalyzerClient
+from gpubalance.controller.audit import AuditLog
+from gpubalance.controller.haproxy import RuntimeApi
+from gpubalance.controller.loop import Controller
+from gpubalance.controller.metrics import Metrics
+from gpubalance.controller.model import Settings
+from gpubalance.controller.runtime_actuator import RuntimeApiActuator
+from gpubalance.diagnosis import Recommendation
+from gpubalance.lab.live.haproxy import (
+    APT_INSTALL,
+    Backend,
+    Frontend,
+    HaproxyConfig,
+    HaproxyNotFoundError,
+    HaproxyProcess,
+    Server,
+    find_haproxy,
+)
+
+TOKEN = "s3cret-token"
+_ADAPTER: TypeAdapter[list[Recommendation]] = TypeAdapter(list[Recommendation])
+
+
+def haproxy_installed() -> bool:
+    try:
+        find_haproxy()
+    except HaproxyNotFoundError:
+        return False
+    return True
+
+
+needs_haproxy = [
+    pytest.mark.haproxy,
+    pytest.mark.skipif(
+        not haproxy_installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def recommendation(
+    rec_id: str,
+    action: str,
+    target: str,
+    parameters: Mapping[str, object] | None = None,
+    *,
+    cost_rank: int = 0,
+    age_seconds: float = 1.0,
+    ttl_seconds: float = 600.0,
+) -> Recommendation:
+    now = time.time()
+    return Recommendation(
+        id=rec_id,
+        action=action,  # type: ignore[arg-type]
+        host="h1",
+        target=target,
+        parameters=parameters or {},
+        reason="test",
+        evidence=("queue 14 vs peer median 0",),
+        confidence=0.9,
+        created_seconds=now - age_seconds,
+        expires_seconds=now + ttl_seconds,
+        cost_rank=cost_rank,
+    )
+
+
+@dataclass
+class Analyzer:
+    """The analyzer's API: GET recommendations, POST acks (bearer token required)."""
+
+    recommendations: list[Recommendation] = field(default_factory=list)
+    acks: list[dict[str, Any]] = field(default_factory=list)
+    url: str = ""
+    broken: bool = False  # answer 500, as an analyzer in trouble would
+    _runner: web.AppRunner | None = None
+
+    def _authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {TOKEN}"
+
+    async def _list(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.Response(status=401)
+        if self.broken:
+            return web.Response(status=500, text="model not loaded")
+        body = _ADAPTER.dump_json(self.recommendations)
+        return web.Response(body=body, content_type="application/json")
+
+    async def _ack(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.Response(status=401)
+        self.acks.append({"id": request.match_info["id"], **await request.json()})
+        return web.Response(status=204)
+
+    def acks_of(self, rec_id: str) -> list[tuple[str, str]]:
+        return [(a["status"], a["reason"]) for a in self.acks if a["id"] == rec_id]
+
+    async def __aenter__(self) -> Analyzer:
+        app = web.Application()
+        app.router.add_get("/api/v1/recommendations", self._list)
+        app.router.add_post("/api/v1/recommendations/{id}/ack", self._ack)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+class Backends:
+    """aiohttp servers in this event loop, one per name, each answering its name."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = list(names)
+        self.ports: dict[str, int] = {}
+        self.held = 0
+        self.release = asyncio.Event()
+        self._runners: list[web.AppRunner] = []
+
+    async def __aenter__(self) -> Backends:
+        for name in self.names:
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", self._handler(name))
+            runner = web.AppRunner(app, shutdown_timeout=1.0)
+            await runner.setup()
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            await web.SockSite(runner, sock).start()
+            self.ports[name] = sock.getsockname()[1]
+            self._runners.append(runner)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        for runner in self._runners:
+            await runner.cleanup()
+
+    def _handler(self, name: str) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.Response:
+            if request.path == "/hold":
+                self.held += 1
+                await self.release.wait()
+                self.held -= 1
+            return web.Response(text=name)
+
+        return handle
+
+    def config(self, run_dir: Path, backend: str = "be") -> HaproxyConfig:
+        servers = tuple(Server(n, "127.0.0.1", self.ports[n]) for n in self.names)
+        return HaproxyConfig(
+            frontends=(Frontend("fe", free_port(), backend),),
+            backends=(Backend(backend, servers),),
+            run_dir=run_dir,
+        )
+
+
+@contextlib.asynccontextmanager
+async def haproxy_over(config: HaproxyConfig) -> AsyncIterator[HaproxyProcess]:
+    """HAProxy started and stopped off the event loop, so the backends keep answering."""
+    process = HaproxyProcess(config)
+    await asyncio.to_thread(process.start)
+    try:
+        yield process
+    finally:
+        await asyncio.to_thread(process.stop)
+
+
+# settings for tests: act, one pass of dwell, a large step
+FAST = Settings(act=True, dwell_cycles=1, max_weight_step=256, interval_seconds=0.05)
+
+
+def make_controller(
+    socket_path: Path,
+    analyzer_url: str,
+    session: Any,
+    audit_path: Path,
+    settings: Settings = FAST,
+    actuator: Any = None,
+) -> Controller:
+    api = RuntimeApi(socket_path, timeout_seconds=2.0)
+    return Controller(
+        api,
+        actuator if actuator is not None else RuntimeApiActuator(api),
+        AnalyzerClient(analyzer_url, session, token=TOKEN),
+        AuditLog(audit_path),
+        Metrics(),
+        settings,
+    )
+
+
+def weights(api: RuntimeApi, backend: str = "be") -> dict[str, tuple[int, str]]:
+    return {s.server: (s.uweight, s.admin) for s in api.show_servers_state(backend)}
