@@ -271,7 +271,7 @@ class AnalyzerService:
                     recommendation = dataclasses.replace(recommendation, acks=old.acks)
                 self._recommendations[recommendation.id] = recommendation
             for key, recommendation in list(self._recommendations.items()):
-                if recommendation.expires_seconds + EXPIRED_KEPT_SECONDS < now:
+                if _forgotten(recommendation, now):
                     del self._recommendations[key]
 
     # what the server reads
@@ -365,7 +365,7 @@ class AnalyzerService:
         now = self.clock()
         with self._lock:
             recommendation = self._recommendations.get(recommendation_id)
-            if recommendation is None:
+            if recommendation is None or _forgotten(recommendation, now):
                 raise UnknownRecommendation(
                     f"no recommendation {recommendation_id!r}: never made, or expired more "
                     f"than {EXPIRED_KEPT_SECONDS:.0f} s ago"
@@ -394,6 +394,10 @@ class AnalyzerService:
                 cycle_seconds_total=self._cycle_seconds_total,
                 last_cycle_seconds=self._last_cycle_seconds,
             )
+
+
+def _forgotten(recommendation: Recommendation, now: float) -> bool:
+    return recommendation.expires_seconds + EXPIRED_KEPT_SECONDS <= now
 
 
 def _clock(t: float) -> str:
