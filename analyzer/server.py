@@ -63,6 +63,7 @@ DEFAULT_WINDOW_SECONDS = 30.0
 DEFAULT_INTERVAL_SECONDS = 10.0
 MAX_HISTORY = 1000  # windows per GPU one diagnosis answer may carry
 MAX_ACK_BYTES = 16 * 1024
+STALL_GRACE_SECONDS = 30.0
 API = "/api/v1"
 TOKEN_SETTING = "--token-file"
 
@@ -223,8 +224,8 @@ class AnalyzerServer:
             if self._last_cycle_done is None
             else asyncio.get_running_loop().time() - self._last_cycle_done
         )
-        # a cycle may take a while (a slow source times out in seconds): three intervals
-        stalled = age is not None and age > 3 * self.interval_seconds + 30
+        # three intervals, and time for a slow cycle (a source timing out, a big fleet)
+        stalled = age is not None and age > 3 * self.interval_seconds + STALL_GRACE_SECONDS
         if age is None:
             status = "starting"
         elif stalled:

@@ -37,8 +37,9 @@ EXPIRED_KEPT_SECONDS = 3600.0
 SOURCE_ERROR_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("unreachable", re.compile(r"cannot reach|no answer within|timed out")),
     ("http_error", re.compile(r"HTTP \d{3}")),
-    ("bad_answer", re.compile(r"not a |expected a |without data|missing columns|cannot read")),
+    # before bad_answer: "not a lab run directory" says nothing is there, not that it is wrong
     ("no_data", re.compile(r"no snapshots|no such file|not a lab run directory")),
+    ("bad_answer", re.compile(r"not a |expected a |without data|missing columns|cannot read")),
 )
 
 
@@ -243,16 +244,18 @@ class AnalyzerService:
                 self._cycle_failures["diagnose"] += 1
             self._publish(_Published(now, status, previous.diagnosis), started)
             return
-        self._publish(_Published(now, status, diagnosis), started)
         if self.recommender is not None and table is not None:
             try:
-                recommendations = self.recommender.recommend(diagnosis, table, now)
-            except Exception:
+                made = tuple(self.recommender.recommend(diagnosis, table, now))
+                for item in made:
+                    if not isinstance(item, Recommendation):
+                        raise TypeError(f"it gave a {type(item).__name__}, not a Recommendation")
+                self._keep(made, now)
+            except Exception:  # the verdicts stand without this cycle's recommendations
                 log.exception("the recommender failed")
                 with self._lock:
                     self._cycle_failures["recommend"] += 1
-                return
-            self._keep(recommendations, now)
+        self._publish(_Published(now, status, diagnosis), started)
 
     def _publish(self, published: _Published, started: float) -> None:
         self._published = published

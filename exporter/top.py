@@ -11,6 +11,7 @@ fails, so a script sees a dead URL.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import urllib.error
@@ -18,6 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING
 
+from pydantic import TypeAdapter
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -238,19 +240,23 @@ RECOMMENDATIONS_SHOWN = 3
 
 def fetch_analysis(url: str, timeout: float = 5.0) -> tuple[DiagnosisReport, RecommendationsReport]:
     """The analyzer's diagnosis and recommendations, as the types it serves."""
-    from pydantic import TypeAdapter
-
-    from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport
+    diagnosis_type, recommendations_type = _analysis_types()
 
     def get(path: str) -> bytes:
         with urllib.request.urlopen(f"{url.rstrip('/')}{path}", timeout=timeout) as resp:
             return resp.read()
 
-    diagnosis = TypeAdapter(DiagnosisReport).validate_json(get("/api/v1/diagnosis"))
-    recommendations = TypeAdapter(RecommendationsReport).validate_json(
-        get("/api/v1/recommendations")
-    )
+    diagnosis = diagnosis_type.validate_json(get("/api/v1/diagnosis"))
+    recommendations = recommendations_type.validate_json(get("/api/v1/recommendations"))
     return diagnosis, recommendations
+
+
+@functools.cache
+def _analysis_types() -> tuple[TypeAdapter[DiagnosisReport], TypeAdapter[RecommendationsReport]]:
+    """The analyzer's answer types (imported only with --analyzer: they bring numpy along)."""
+    from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport
+
+    return TypeAdapter(DiagnosisReport), TypeAdapter(RecommendationsReport)
 
 
 def render_analysis(diagnosis: DiagnosisReport, recommendations: RecommendationsReport) -> Group:
