@@ -51,6 +51,7 @@ from gpubalance.analyzer.service import (
     UnknownRecommendation,
 )
 from gpubalance.diagnosis import STATES, AckStatus, Recommendation
+from gpubalance.exporter.webconfig import bearer_refusal
 
 if TYPE_CHECKING:
     from gpubalance.analyzer.service import Recommender
@@ -181,8 +182,6 @@ class AnalyzerServer:
 
     async def ack(self, request: web.Request) -> web.Response:
         if self.token is not None:
-            from gpubalance.exporter.webconfig import bearer_refusal
-
             refusal = bearer_refusal(
                 request.headers.get("Authorization"), self.token, TOKEN_SETTING
             )
@@ -592,6 +591,11 @@ def run(args: argparse.Namespace, make_recommender: Callable[[], Recommender] | 
                 "ack recommendations; give --token-file (and TLS in --web.config.file)"
             )
         security = WebSecurity(args.web_config_file)
+        if token is not None and security.config.users:
+            raise ConfigError(
+                f"--token-file and the basic_auth_users of {args.web_config_file} both want "
+                "the Authorization header, so no ack could carry both; use one of them"
+            )
         classifier, classifier_name = _classifier(args)
         # a URL may not answer yet (the analyzer starts before its source): found at a pull
         url = args.source.startswith(("http://", "https://"))

@@ -402,3 +402,22 @@ def test_bad_options_exit_2_with_the_reason(flags: tuple[str, ...], message: str
     result = subprocess.run(_command(*flags), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+
+
+def test_a_token_and_basic_auth_cannot_share_the_authorization_header(
+    run_dir: Path, token_file: Path, tmp_path: Path
+) -> None:
+    import bcrypt
+
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+    web_yml = tmp_path / "web.yml"
+    web_yml.write_text(f"basic_auth_users:\n  ops: {hashed}\n")
+    flags = ("--source", str(run_dir), "--token-file", str(token_file))
+    result = subprocess.run(
+        _command(*flags, "--web.config.file", str(web_yml)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "both want the Authorization header" in result.stderr
