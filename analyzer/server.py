@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -144,6 +145,7 @@ class AnalyzerServer:
         self.registry.register(AnalyzerCollector(service))
         ProcessCollector(namespace="gpubalance_analyzer", registry=self.registry)
         self._last_cycle_done: float | None = None  # monotonic
+        self._openapi = json.dumps(openapi_document(token is not None)).encode()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_ACK_BYTES)
@@ -210,7 +212,7 @@ class AnalyzerServer:
         return _json(_RECOMMENDATION, recommendation)
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.token is not None))
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)

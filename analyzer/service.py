@@ -142,26 +142,34 @@ class Health:
 
 @dataclass(frozen=True, slots=True)
 class _Published:
-    """What one cycle found: swapped in as a whole, so that a reader never sees half a cycle."""
+    """What one cycle found: swapped in as a whole, so that a reader never sees half a cycle.
+
+    The last diagnosis the source gave (an old one while it is down), grouped once per cycle
+    rather than on every request: each GPU's verdicts and each pool's, in time order, by host
+    then GPU index or pool.
+    """
 
     at_seconds: float
     source: SourceStatus
-    diagnosis: Diagnosis  # the last diagnosis the source gave (an old one while it is down)
+    gpus: tuple[tuple[Verdict, ...], ...] = ()
+    pools: tuple[tuple[FleetVerdict, ...], ...] = ()
+    # why this cycle judged nothing ("source down: ..."): its GPUs are unknown for that reason
+    stale_reason: str | None = None
 
-
-def _by_gpu(verdicts: Iterable[Verdict]) -> dict[tuple[str, int, str], list[Verdict]]:
-    """Each GPU's verdicts in time order (the diagnosis gives them in time order)."""
-    groups: dict[tuple[str, int, str], list[Verdict]] = {}
-    for verdict in verdicts:
-        groups.setdefault((verdict.host, verdict.gpu, verdict.uuid), []).append(verdict)
-    return dict(sorted(groups.items()))
-
-
-def _by_pool(fleet: Iterable[FleetVerdict]) -> dict[tuple[str, str], list[FleetVerdict]]:
-    groups: dict[tuple[str, str], list[FleetVerdict]] = {}
-    for verdict in fleet:
-        groups.setdefault((verdict.host, verdict.pool), []).append(verdict)
-    return dict(sorted(groups.items()))
+    @classmethod
+    def of(cls, at_seconds: float, source: SourceStatus, diagnosis: Diagnosis) -> _Published:
+        gpus: dict[tuple[str, int, str], list[Verdict]] = {}
+        for verdict in diagnosis.verdicts:  # in time order already
+            gpus.setdefault((verdict.host, verdict.gpu, verdict.uuid), []).append(verdict)
+        pools: dict[tuple[str, str], list[FleetVerdict]] = {}
+        for fleet in diagnosis.fleet:
+            pools.setdefault((fleet.host, fleet.pool), []).append(fleet)
+        return cls(
+            at_seconds,
+            source,
+            tuple(tuple(v) for _, v in sorted(gpus.items())),
+            tuple(tuple(f) for _, f in sorted(pools.items())),
+        )
 
 
 class AnalyzerService:
@@ -185,9 +193,7 @@ class AnalyzerService:
         self.classifier_name = classifier_name
         self.clock = clock
         self._published = _Published(
-            at_seconds=clock(),
-            source=SourceStatus(source.description, None, None, None, None),
-            diagnosis=Diagnosis((), ()),
+            clock(), SourceStatus(source.description, None, None, None, None)
         )
         # cycles run in a worker thread, acks in the server's: both write the recommendations
         self._lock = threading.Lock()
@@ -224,7 +230,10 @@ class AnalyzerService:
             )
             with self._lock:
                 self._source_errors[reason] += 1
-            self._publish(_Published(now, status, previous.diagnosis), started)
+            stale = dataclasses.replace(
+                previous, at_seconds=now, source=status, stale_reason=f"source down: {message}"
+            )
+            self._publish(stale, started)
             return
         status = SourceStatus(self.source.description, True, None, self.clock(), self.clock())
         table: FeatureTable | None = None
@@ -239,10 +248,11 @@ class AnalyzerService:
                 diagnosis = Diagnosis((), ())
         except Exception as exc:  # a bug must cost a cycle, not the service
             log.exception("diagnosis failed")
-            status = dataclasses.replace(status, error=f"diagnosis failed: {exc!r}")
             with self._lock:
                 self._cycle_failures["diagnose"] += 1
-            self._publish(_Published(now, status, previous.diagnosis), started)
+            why = f"diagnosis failed: {exc!r}"
+            stale = dataclasses.replace(previous, at_seconds=now, source=status, stale_reason=why)
+            self._publish(stale, started)
             return
         if self.recommender is not None and table is not None:
             try:
@@ -255,7 +265,7 @@ class AnalyzerService:
                 log.exception("the recommender failed")
                 with self._lock:
                     self._cycle_failures["recommend"] += 1
-        self._publish(_Published(now, status, diagnosis), started)
+        self._publish(_Published.of(now, status, diagnosis), started)
 
     def _publish(self, published: _Published, started: float) -> None:
         self._published = published
@@ -282,9 +292,8 @@ class AnalyzerService:
     def diagnosis(self, history: int = 0) -> DiagnosisReport:
         """Each GPU and pool now; ``history`` windows before now for each as well."""
         published = self._published
-        by_gpu = _by_gpu(published.diagnosis.verdicts).values()
-        by_pool = _by_pool(published.diagnosis.fleet).values()
-        down = published.source.up is False
+        by_gpu, by_pool = published.gpus, published.pools
+        down = published.stale_reason is not None
         if down:
             # what the source said before is history; now is unknown, with the reason
             gpus = tuple(self._source_down(v[-1], published) for v in by_gpu)
@@ -312,12 +321,8 @@ class AnalyzerService:
             fleet_history=tuple(past_fleet),
         )
 
-    @staticmethod
-    def _down_reason(published: _Published) -> str:
-        return f"source down: {published.source.error}"
-
     def _source_down(self, last: Verdict, published: _Published) -> Verdict:
-        reason = self._down_reason(published)
+        reason = str(published.stale_reason)
         return Verdict(
             host=last.host,
             gpu=last.gpu,
@@ -344,7 +349,7 @@ class AnalyzerService:
             kind="unknown",
             gpus=last.gpus,
             idle_while_queued_ratio=None,
-            evidence=(self._down_reason(published),),
+            evidence=(str(published.stale_reason),),
         )
 
     def recommendations(self) -> RecommendationsReport:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpubalance.analyzer.baselines import QueueUtilization
@@ -71,3 +72,30 @@ def test_a_recommender_that_gives_the_wrong_type_costs_its_recommendations(
     assert len(service.diagnosis().gpus) == 4
     assert service.recommendations().recommendations == ()
     assert service.health().cycle_failures == {"recommend": 1}
+
+
+class BreakingClassifier(QueueUtilization):
+    """The queue rule until ``broken``: then what a model from another version might do."""
+
+    broken = False
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        if self.broken:
+            raise ValueError("X has 31 features, but the model is expecting 30 features")
+        return super().predict_proba(table)
+
+
+def test_a_diagnosis_that_fails_turns_the_gpus_unknown_with_the_reason(recorded: Path) -> None:
+    classifier = BreakingClassifier()
+    service = AnalyzerService(LabRunSource(recorded), classifier)
+    service.cycle()
+    judged = service.diagnosis()
+    classifier.broken = True
+    service.cycle()
+    failed = service.diagnosis(history=1)
+    assert failed.source.up is True  # the source was fine
+    assert [v.state for v in failed.gpus] == ["unknown"] * 4
+    assert all("diagnosis failed" in str(v.unknown_reason) for v in failed.gpus)
+    assert "expecting 30 features" in str(failed.gpus[0].unknown_reason)
+    assert failed.history == judged.gpus
+    assert service.health().cycle_failures == {"diagnose": 1}
