@@ -55,7 +55,7 @@ from gpubalance.diagnosis import STATES, AckStatus, Recommendation
 from gpubalance.exporter.webconfig import bearer_refusal
 
 if TYPE_CHECKING:
-    from gpubalance.analyzer.service import Recommender
+    from gpubalance.analyzer.service import RecommenderLike
     from gpubalance.analyzer.verdict import Classifier
 
 log = logging.getLogger("gpubalance.analyzer")
@@ -571,7 +571,11 @@ def _classifier(args: argparse.Namespace) -> tuple[Classifier, str]:
         raise ConfigError(f"--model {exc}") from None
 
 
-def run(args: argparse.Namespace, make_recommender: Callable[[], Recommender] | None = None) -> int:
+def run(
+    args: argparse.Namespace, make_recommender: Callable[[], RecommenderLike] | None = None
+) -> int:
+    """`gpubalance analyzer`; ``make_recommender`` makes the service's recommender (None: the
+    service makes no recommendations and says so)."""
     from gpubalance.analyzer.service import OpeningSource
     from gpubalance.analyzer.sources import SourceError, open_source
     from gpubalance.config import ConfigError, read_token

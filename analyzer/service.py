@@ -76,7 +76,7 @@ class OpeningSource:
         return self._source.frames(start, end, window_seconds, hosts)
 
 
-class Recommender(Protocol):
+class RecommenderLike(Protocol):
     """What the service needs of a recommender (gpubalance.analyzer.recommend.Recommender)."""
 
     def recommend(
@@ -174,14 +174,14 @@ class _Published:
 
 class AnalyzerService:
     """Pulls ``source`` each :meth:`cycle` and judges it with ``classifier``; ``recommender``
-    (anything with :meth:`Recommender.recommend`; None: no recommendations) turns the verdicts
+    (anything with :meth:`RecommenderLike.recommend`; None: no recommendations) turns the verdicts
     into recommendations. ``clock`` gives Unix seconds: creation, expiry and ack times."""
 
     def __init__(
         self,
         source: FrameSource,
         classifier: Classifier,
-        recommender: Recommender | None = None,
+        recommender: RecommenderLike | None = None,
         window_seconds: float = 30.0,
         classifier_name: str = "",
         clock: Callable[[], float] = time.time,
