@@ -44,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.process_collector import ProcessCollector
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from gpubalance import __version__
 from gpubalance.analyzer.service import (
     AnalyzerService,
     DiagnosisReport,
@@ -422,8 +423,6 @@ def openapi_document(token: bool) -> dict[str, Any]:
         ack["security"] = [{"bearer": []}]
         ack["responses"]["401"] = error("No bearer token, or the wrong one")
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    from gpubalance import __version__
-
     return {
         "openapi": "3.1.0",
         "info": {

@@ -4,7 +4,10 @@ and a live exporter on the fake NVML driver."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -17,7 +20,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-from harness import LISTENING
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubalance.cli import main
@@ -25,6 +27,7 @@ from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario
 
 TOKEN = "s3cret-token"
+LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
 # a fast exporter: windows of 1 s, 6 s of history; OTLP on a free port (tests run side by side)
 EXPORTER_FLAGS = ("--listen", "127.0.0.1:0", "--otlp-listen", "127.0.0.1:0", "--interval", "0.2")
 EXPORTER_FLAGS += ("--window", "1", "--trend-window", "6")
@@ -44,7 +47,9 @@ class Answer:
 class Analyzer:
     process: subprocess.Popen[bytes]
     log_path: Path
-    url: str = ""
+    url: str = ""  # where to reach it: on loopback when it listens on every interface
+    listened: str = ""  # where it says it listens
+    context: ssl.SSLContext | None = None  # what an https:// analyzer's certificate is checked with
 
     def request(
         self,
@@ -59,7 +64,7 @@ class Analyzer:
             method="POST" if body else "GET",
         )
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10, context=self.context) as response:
                 return Answer(response.status, response.read(), dict(response.headers))
         except urllib.error.HTTPError as error:
             return Answer(error.code, error.read(), dict(error.headers))
@@ -103,24 +108,25 @@ def _command(*flags: str) -> list[str]:
 
 @pytest.fixture
 def start_analyzer(tmp_path: Path) -> Iterator[Callable[..., Analyzer]]:
-    """start_analyzer(*flags, wait=True): the analyzer as a subprocess on a free port; with
-    ``wait``, once its first cycle has ended."""
+    """start_analyzer(*flags, wait=True, context=None): the analyzer as a subprocess on a free
+    port; with ``wait``, once its first cycle has ended."""
     running: list[Analyzer] = []
 
-    def start(*flags: str, wait: bool = True) -> Analyzer:
+    def start(*flags: str, wait: bool = True, context: ssl.SSLContext | None = None) -> Analyzer:
         log_path = tmp_path / f"analyzer-{len(running)}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 _command("--listen", "127.0.0.1:0", *flags), stdout=log, stderr=subprocess.STDOUT
             )
-        analyzer = Analyzer(process, log_path)
+        analyzer = Analyzer(process, log_path, context=context)
         running.append(analyzer)
         deadline = time.monotonic() + 60
         while not (match := LISTENING.search(analyzer.log())):
             assert process.poll() is None, f"analyzer exited:\n{analyzer.log()}"
             assert time.monotonic() < deadline, f"analyzer did not listen:\n{analyzer.log()}"
             time.sleep(0.05)
-        analyzer.url = match.group(1)
+        analyzer.listened = match.group(1)
+        analyzer.url = analyzer.listened.replace("//0.0.0.0:", "//127.0.0.1:")
         if wait:
             analyzer.wait_for(lambda report: report["source"]["up"] is not None)
         return analyzer
@@ -294,7 +300,7 @@ def test_beyond_loopback_it_needs_a_token(
         "--source", str(run_dir), "--listen", "0.0.0.0:0", "--token-file", str(token_file)
     )
     assert "without TLS: the bearer token travels in clear" in analyzer.log()
-    assert analyzer.url.startswith("http://0.0.0.0:")
+    assert analyzer.listened.startswith("http://0.0.0.0:")
 
 
 def test_acks_need_the_bearer_token(
@@ -421,3 +427,37 @@ def test_a_token_and_basic_auth_cannot_share_the_authorization_header(
     )
     assert result.returncode == 2
     assert "both want the Authorization header" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the certificate")
+def test_beyond_loopback_with_a_token_over_tls(
+    run_dir: Path, start_analyzer: Callable[..., Analyzer], token_file: Path, tmp_path: Path
+) -> None:
+    crt, key = tmp_path / "analyzer.crt", tmp_path / "analyzer.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"),
+            *("-nodes", "-keyout", str(key), "-out", str(crt), "-subj", "/CN=analyzer"),
+            *("-days", "2", "-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    web_yml = tmp_path / "web.yml"
+    web_yml.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\n")
+    context = ssl.create_default_context(cafile=str(crt))
+    analyzer = start_analyzer(
+        *("--source", str(run_dir), "--listen", "0.0.0.0:0", "--token-file", str(token_file)),
+        *("--web.config.file", str(web_yml)),
+        context=context,
+    )
+    assert analyzer.listened.startswith("https://0.0.0.0:")
+    assert "travels in clear" not in analyzer.log()
+    assert len(analyzer.diagnosis()["gpus"]) == 4
+    body = b'{"status": "accepted", "reason": "", "by": "test"}'
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    assert analyzer.request("/api/v1/recommendations/x/ack", body, headers).status == 404
+    plain = urllib.request.Request(analyzer.url.replace("https://", "http://") + "/healthz")
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(plain, timeout=10)
