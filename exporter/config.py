@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from typing import Literal
@@ -26,6 +27,17 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be 0..65535, got {port}")
     return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is reachable from this machine only (a host name other than
+    localhost may resolve anywhere: it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 SERVING_FORMATS = ("triton", "vllm", "tgi", "sglang")

@@ -1,5 +1,7 @@
 """Live terminal view of one exporter: per GPU utilization, memory and its trend, power, clocks,
-throttling and the host processes feeding it, read from /api/v1/snapshot every second.
+throttling and the host processes feeding it, read from /api/v1/snapshot every second; with
+--analyzer, each GPU's verdict, cause and evidence and the current recommendations below it, read
+from the analyzer's API.
 
 On a terminal it redraws in place and keeps retrying an exporter it cannot read, the error on
 screen; in a pipe it prints one table per refresh and exits with status 1 at the first read that
@@ -9,18 +11,24 @@ fails, so a script sees a dead URL.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import TYPE_CHECKING
 
+from pydantic import TypeAdapter
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from gpubalance.snapshot import Snapshot, from_json
+
+if TYPE_CHECKING:
+    from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport
 
 GIB = 1024**3
 
@@ -69,6 +77,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="stop after this long (default: until Ctrl-C)",
+    )
+    parser.add_argument(
+        "--analyzer",
+        type=_url,
+        default=None,
+        metavar="URL",
+        help="an analyzer's base URL (`gpubalance analyzer`, http://127.0.0.1:9451): show each "
+        "GPU's verdict and the current recommendations below the exporter's table",
     )
 
 
@@ -204,22 +220,123 @@ def _serving(snapshot: Snapshot, gpu: int) -> tuple[Text, str]:
     return queue, wait
 
 
+# -- the analyzer's panel ----------------------------------------------------------------------
+
+STATE_STYLES = {
+    "overloaded": "bold red",
+    "starved": "bold yellow",
+    "balanced": "green",
+    "unknown": "magenta",
+}
+FLEET_STYLES = {
+    "imbalance": "bold red",
+    "capacity_shortage": "bold red",
+    "over_provisioning": "bold yellow",
+    "balanced": "green",
+    "unknown": "magenta",
+}
+RECOMMENDATIONS_SHOWN = 3
+
+
+def fetch_analysis(url: str, timeout: float = 5.0) -> tuple[DiagnosisReport, RecommendationsReport]:
+    """The analyzer's diagnosis and recommendations, as the types it serves."""
+    diagnosis_type, recommendations_type = _analysis_types()
+
+    def get(path: str) -> bytes:
+        with urllib.request.urlopen(f"{url.rstrip('/')}{path}", timeout=timeout) as resp:
+            return resp.read()
+
+    diagnosis = diagnosis_type.validate_json(get("/api/v1/diagnosis"))
+    recommendations = recommendations_type.validate_json(get("/api/v1/recommendations"))
+    return diagnosis, recommendations
+
+
+@functools.cache
+def _analysis_types() -> tuple[TypeAdapter[DiagnosisReport], TypeAdapter[RecommendationsReport]]:
+    """The analyzer's answer types (imported only with --analyzer: they bring numpy along)."""
+    from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport
+
+    return TypeAdapter(DiagnosisReport), TypeAdapter(RecommendationsReport)
+
+
+def render_analysis(diagnosis: DiagnosisReport, recommendations: RecommendationsReport) -> Group:
+    """Each GPU's verdict now, each pool's, and the recommendations to act on first."""
+    source = diagnosis.source
+    lines: list[Table | Text] = []
+    table = Table(
+        title=f"analyzer · {diagnosis.classifier} · windows of {diagnosis.window_seconds:g} s",
+        expand=False,
+    )
+    for column in ("GPU", "verdict", "cause", "conf", "evidence (now)"):
+        table.add_column(column, no_wrap=column != "evidence (now)")
+    for verdict in diagnosis.gpus:
+        # Text, not str: evidence is the telemetry's words, never rich markup
+        table.add_row(
+            Text(str(verdict.gpu)),
+            Text(verdict.state, style=STATE_STYLES.get(verdict.state, "")),
+            Text(verdict.cause if verdict.state != "unknown" else "-"),
+            Text(f"{verdict.confidence:.2f}"),
+            Text(
+                verdict.unknown_reason or (verdict.evidence[0] if verdict.evidence else ""),
+            ),
+        )
+    if diagnosis.gpus:
+        lines.append(table)
+    elif source.up is None:
+        lines.append(Text("analyzer: first pull of its source under way", style="dim"))
+    elif source.up:
+        lines.append(Text("analyzer: no complete window yet", style="dim"))
+    if source.up is False:
+        lines.append(Text(f"analyzer: source down: {source.error}", style="bold red"))
+    for fleet in diagnosis.fleet:
+        line = Text(f"pool {fleet.pool or '(unnamed)'}: ")
+        line.append(fleet.kind.replace("_", " "), style=FLEET_STYLES.get(fleet.kind, ""))
+        if fleet.idle_while_queued_ratio is not None:
+            line.append(f", idle while queued {fleet.idle_while_queued_ratio:.0%}")
+        lines.append(line)
+    if recommendations.recommender is None:
+        lines.append(
+            Text("recommendations: none (the analyzer runs without a recommender)", style="dim")
+        )
+    elif not recommendations.recommendations:
+        lines.append(Text("recommendations: none now", style="dim"))
+    for recommendation in recommendations.recommendations[:RECOMMENDATIONS_SHOWN]:
+        line = Text("recommend ", style="bold")
+        line.append(f"{recommendation.action} {recommendation.target}", style="bold cyan")
+        line.append(f" ({recommendation.confidence:.2f}): {recommendation.reason}")
+        if recommendation.acks:
+            last = recommendation.acks[-1]
+            line.append(f" [{last.status} by {last.by}]", style="dim")
+        lines.append(line)
+    return Group(*lines)
+
+
+def _analysis_view(url: str) -> Group | Text:
+    try:
+        return render_analysis(*fetch_analysis(url))
+    except (OSError, ValueError) as exc:  # the analyzer may be starting: say so, keep going
+        return Text(f"analyzer: {_read_error(url, exc, 'analyzer')}", style="bold red")
+
+
 def run(args: argparse.Namespace) -> int:
-    return watch(args.url, args.refresh, args.duration)
+    return watch(args.url, args.refresh, args.duration, args.analyzer)
 
 
-def _read_error(url: str, exc: OSError | ValueError) -> str:
+def _read_error(url: str, exc: OSError | ValueError, what: str = "exporter") -> str:
     if isinstance(exc, urllib.error.HTTPError):
-        return f"{url} answered HTTP {exc.code} {exc.reason}: is it a gpubalance exporter?"
+        return f"{url} answered HTTP {exc.code} {exc.reason}: is it a gpubalance {what}?"
     if isinstance(exc, OSError):
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         return f"cannot reach {url}: {reason}"
-    return f"{url} did not answer with a snapshot: {exc}"
+    return f"{url} did not answer as a gpubalance {what} does: {exc}"
 
 
-def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
-    """Show ``url`` every ``refresh`` s, for ``duration`` s or until Ctrl-C. Returns 1 when the
-    last read failed (in a pipe, the first failure ends the run), else 0."""
+def watch(
+    url: str, refresh: float = 1.0, duration: float | None = None, analyzer: str | None = None
+) -> int:
+    """Show ``url`` every ``refresh`` s, for ``duration`` s or until Ctrl-C, with ``analyzer``'s
+    panel below when given. Returns 1 when the last read of the exporter failed (in a pipe, the
+    first failure ends the run), else 0; an analyzer that cannot be read is shown, not fatal."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a pipe or a log file: no reason to truncate columns
@@ -232,6 +349,8 @@ def watch(url: str, refresh: float = 1.0, duration: float | None = None) -> int:
         while deadline is None or time.monotonic() < deadline:
             try:
                 view: Group | Text = render(fetch(url))
+                if analyzer is not None:
+                    view = Group(view, _analysis_view(analyzer))
                 failed = False
             except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
                 failed = True

@@ -548,6 +548,18 @@ class TokenBucket:
         return True
 
 
+def bearer_refusal(authorization: str | None, token: str, setting: str) -> str | None:
+    """Why an ``Authorization`` header does not carry ``token`` as a bearer, if it does not
+    (``setting`` names where the token is configured)."""
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return f"this needs Authorization: Bearer <token> ({setting})"
+    # constant time: how much of a guess matches must not show in the answer's timing
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        return "wrong bearer token"
+    return None
+
+
 class WebGuard:
     """The aiohttp side: rate limit, then basic auth, then the route; headers on every answer."""
 

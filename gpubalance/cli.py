@@ -17,7 +17,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
+    "analyzer": ("gpubalance.analyzer.server", "serve verdicts and recommendations over HTTP"),
 }
+# a command's own subcommands (`gpubalance analyzer train`), same shape as SUBCOMMANDS; the
+# bare command does what its own module's run() does
+NESTED: dict[str, dict[str, tuple[str, str]]] = {"analyzer": {}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,12 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gpubalance {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    _add_commands(sub, SUBCOMMANDS)
+    return parser
+
+
+def _add_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    commands: dict[str, tuple[str, str]],
+) -> None:
+    for name, (module_name, help_text) in commands.items():
         module = importlib.import_module(module_name)
         child = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.configure(child)
         child.set_defaults(_run=module.run)
-    return parser
+        if NESTED.get(name):
+            _add_commands(
+                child.add_subparsers(dest=f"{name}_command", metavar="COMMAND"), NESTED[name]
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -176,3 +176,15 @@ def load_section(
     return validate(
         model, data, source=source, lines=lines, prefix=(section,), flags=frozenset(flag_given)
     )
+
+
+def read_token(path: str | Path, key: str) -> str:
+    """The bearer token in ``path`` (the setting ``key`` names it): one token of printable ASCII."""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"{key}: cannot read {path}: {reason}") from None
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError(f"{key}: {path} must hold one token of printable ASCII, without spaces")
+    return token

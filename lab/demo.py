@@ -1,5 +1,6 @@
 """`make demo`: the live lab on a skewed, heterogeneous RTX server, the exporter reading it
-through the fake NVML driver and the lab's procfs tree, and the live terminal view.
+through the fake NVML driver and the lab's procfs tree, the analyzer judging the exporter's
+history, and the live terminal view of both.
 
 The scenario (lab/scenarios/skewed-heterogeneous.yaml: 3x RTX 4090 + RTX 3090, one card the
 default target of a weighted round robin) shows what gpubalance is for: one card hot, the others
@@ -9,7 +10,10 @@ idling, the slow card's tail latency.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -20,6 +24,9 @@ from gpubalance.lab.live.run import LiveLab
 
 DEMO_SCENARIO = "skewed-heterogeneous"
 FOREVER_SECONDS = 24 * 3600.0  # on a terminal the demo runs until Ctrl-C
+# short windows, so that a 20 s demo in a pipe shows verdicts: 5 exporter samples each
+ANALYZER_ARGS = ("--window", "5", "--interval", "1", "--listen", "127.0.0.1:0")
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
@@ -34,6 +41,36 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
         time.sleep(0.1)
+
+
+def start_analyzer(
+    exporter_url: str, log_path: Path, timeout: float = 60.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`gpubalance analyzer` on the exporter, on a free loopback port: the process and its URL."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpubalance",
+                "analyzer",
+                "--source",
+                exporter_url,
+                *ANALYZER_ARGS,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout
+    while not (match := LISTENING.search(log_path.read_text(errors="replace"))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(
+                f"the analyzer did not start; its log, {log_path}:\n"
+                + log_path.read_text(errors="replace")
+            )
+        time.sleep(0.05)
+    return process, match.group(1)
 
 
 def run_demo(build_dir: Path, duration: float | None) -> int:
@@ -55,6 +92,7 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
     )
     shown = False
     failure: list[BaseException] = []
+    analyzer: subprocess.Popen[bytes] | None = None
 
     def serve() -> None:
         try:
@@ -71,14 +109,22 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
             raise failure[0]
         assert lab.exporter is not None
         wait_http(lab.exporter.url + "/healthz")
+        analyzer, analyzer_url = start_analyzer(lab.exporter.url, lab.run_dir / "analyzer.log")
         print(f"{plan.scenario.name}: {plan.scenario.description}")
         print(
-            f"exporter: {lab.exporter.url}/metrics   HAProxy frontend: "
-            f"http://127.0.0.1:{lab.frontend_port}   lab files: {lab.run_dir}"
+            f"exporter: {lab.exporter.url}/metrics   analyzer: {analyzer_url}/api/v1/diagnosis"
+            f"   HAProxy frontend: http://127.0.0.1:{lab.frontend_port}   lab files: {lab.run_dir}"
         )
         shown = True
-        return watch(lab.exporter.url, refresh=1.0, duration=duration)
+        return watch(lab.exporter.url, refresh=1.0, duration=duration, analyzer=analyzer_url)
     finally:
+        if analyzer is not None:
+            analyzer.terminate()  # SIGTERM: it stops listening and cycling, then exits
+            try:
+                analyzer.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                analyzer.kill()
+                analyzer.wait()
         lab.halt()
         thread.join(timeout=60)
         if shown:

@@ -16,8 +16,6 @@ number at a time, so a 4 MiB body never stalls /metrics.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import logging
 import ssl
@@ -26,7 +24,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -36,16 +33,17 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from gpubalance.config import ConfigError
+from gpubalance.config import ConfigError, read_token
 from gpubalance.exporter.collectors.serving.store import (
     SeriesLimitReached,
     ServingStore,
     StoredReading,
 )
-from gpubalance.exporter.config import OtlpSettings, parse_listen
+from gpubalance.exporter.config import OtlpSettings, is_loopback, parse_listen
 from gpubalance.exporter.otlp.decode import JSON, PROTOBUF
 from gpubalance.exporter.otlp.limits import DEFAULT_LIMITS, OtlpLimits, Refused, show
 from gpubalance.exporter.otlp.series import Batch, Group, Series, changes_of, read_batch
+from gpubalance.exporter.webconfig import bearer_refusal
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +164,7 @@ class OtlpReceiver:
         """Why a request may not push, if so."""
         if self.token is None:
             return None
-        scheme, _, given = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return f"this receiver needs Authorization: Bearer <token> ({KEY}.token_file)"
-        # constant time: how much of a guess matches must not show in the answer's timing
-        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            return "wrong bearer token"
-        return None
+        return bearer_refusal(authorization, self.token, f"{KEY}.token_file")
 
     @staticmethod
     def _check_headers(content_type: str, headers: Mapping[str, str]) -> str:
@@ -347,15 +339,6 @@ def otlp_runner(receiver: OtlpReceiver) -> web.AppRunner:
     return web.AppRunner(app, auto_decompress=False, access_log=None)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
-
-
 @dataclass(frozen=True)
 class OtlpListener:
     """Where the receiver listens, with its token and TLS; checked at start."""
@@ -376,7 +359,7 @@ class OtlpListener:
         host, port = parse_listen(settings.listen)
         token = None
         if settings.token_file is not None:
-            token = _read_token(settings.token_file)
+            token = read_token(settings.token_file, f"{KEY}.token_file")
         context = None
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -387,11 +370,7 @@ class OtlpListener:
                     f"{KEY}.tls_cert_file, tls_key_file: cannot load"
                     f" {settings.tls_cert_file} with {settings.tls_key_file}: {exc}"
                 ) from None
-        if (
-            not _is_loopback(host)
-            and not (token and context)
-            and not settings.allow_unauthenticated
-        ):
+        if not is_loopback(host) and not (token and context) and not settings.allow_unauthenticated:
             raise ConfigError(
                 f"{KEY}.listen (--otlp-listen): {settings.listen} is beyond loopback, where"
                 " anyone who reaches it could push queue figures; set token_file, tls_cert_file"
@@ -412,16 +391,3 @@ class OtlpListener:
         scheme = "https" if self.ssl_context is not None else "http"
         host = f"[{host}]" if ":" in host else host
         return runner, f"{scheme}://{host}:{port}{PATH}"
-
-
-def _read_token(path: str) -> str:
-    try:
-        token = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
-        raise ConfigError(f"{KEY}.token_file: cannot read {path}: {reason}") from None
-    if not token or not token.isascii() or not token.isprintable() or " " in token:
-        raise ConfigError(
-            f"{KEY}.token_file: {path} must hold one token of printable ASCII, without spaces"
-        )
-    return token
