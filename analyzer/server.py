@@ -53,7 +53,7 @@ from gpubalance.analyzer.service import (
     UnknownRecommendation,
 )
 from gpubalance.diagnosis import STATES, AckStatus, Recommendation
-from gpubalance.exporter.webconfig import bearer_refusal
+from gpubalance.webconfig import bearer_refusal
 
 if TYPE_CHECKING:
     from gpubalance.analyzer.service import RecommenderLike
@@ -577,10 +577,8 @@ def run(
     service makes no recommendations and says so)."""
     from gpubalance.analyzer.service import OpeningSource
     from gpubalance.analyzer.sources import SourceError, open_source
-    from gpubalance.config import ConfigError, read_token
-    from gpubalance.exporter.cli import LOG_FORMAT
-    from gpubalance.exporter.config import is_loopback, parse_listen
-    from gpubalance.exporter.webconfig import WebSecurity
+    from gpubalance.config import LOG_FORMAT, ConfigError, read_token
+    from gpubalance.webconfig import WebSecurity, is_loopback, parse_listen
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:

@@ -86,7 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _listen(value: str) -> tuple[str, int]:
-    from gpubalance.exporter.config import parse_listen
+    from gpubalance.webconfig import parse_listen
 
     try:
         return parse_listen(value)
@@ -156,7 +156,7 @@ async def serve(args: argparse.Namespace, settings: Settings, token: str | None)
     from gpubalance.controller.metrics import Metrics
     from gpubalance.controller.runtime_actuator import RuntimeApiActuator
     from gpubalance.controller.server import ControlServer
-    from gpubalance.exporter.webconfig import WebSecurity
+    from gpubalance.webconfig import WebSecurity
 
     log = logging.getLogger("gpubalance.controller")
     try:

@@ -15,10 +15,10 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gpubalance.config import LOG_FORMAT
+
 if TYPE_CHECKING:
     from gpubalance.exporter.config import ExporterConfig
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +105,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _listen(value: str) -> str:
-    from gpubalance.exporter.config import parse_listen
+    from gpubalance.webconfig import parse_listen
 
     try:
         parse_listen(value)
@@ -189,7 +189,7 @@ def load_config(args: argparse.Namespace) -> ExporterConfig:
 def run(args: argparse.Namespace) -> int:
     from gpubalance.config import ConfigError
     from gpubalance.exporter.otlp import OtlpListener
-    from gpubalance.exporter.webconfig import WebSecurity
+    from gpubalance.webconfig import WebSecurity
 
     if args.print_schema:
         from gpubalance.snapshot import json_schema

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from typing import Literal
@@ -10,34 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpubalance.exporter.window import TrendRule
+from gpubalance.webconfig import parse_listen
 
 DEFAULT_PORT = 9450
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``:PORT`` means every interface, ``[::1]:PORT`` for IPv6)."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"port must be a number, got {port_text!r}") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be 0..65535, got {port}")
-    return host, port
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listen host is reachable from this machine only (a host name other than
-    localhost may resolve anywhere: it is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 SERVING_FORMATS = ("triton", "vllm", "tgi", "sglang")

@@ -19,6 +19,9 @@ Loc = tuple[str | int, ...]
 
 
 # Top-level sections of the one configuration file, one per part.
+# the log line of every long-running command (exporter, analyzer, controller)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 SECTIONS = frozenset({"exporter", "lab", "analyzer", "controller"})
 
 

@@ -39,11 +39,11 @@ from gpubalance.exporter.collectors.serving.store import (
     ServingStore,
     StoredReading,
 )
-from gpubalance.exporter.config import OtlpSettings, is_loopback, parse_listen
+from gpubalance.exporter.config import OtlpSettings
 from gpubalance.exporter.otlp.decode import JSON, PROTOBUF
 from gpubalance.exporter.otlp.limits import DEFAULT_LIMITS, OtlpLimits, Refused, show
 from gpubalance.exporter.otlp.series import Batch, Group, Series, changes_of, read_batch
-from gpubalance.exporter.webconfig import bearer_refusal
+from gpubalance.webconfig import bearer_refusal, is_loopback, parse_listen
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import pytest
 from aiohttp import web
 
 from gpubalance.config import ConfigError
-from gpubalance.exporter.webconfig import WebSecurity, build_ssl_context, load_web_config
 from gpubalance.lab.fakenvml import write_state
+from gpubalance.webconfig import WebSecurity, build_ssl_context, load_web_config
 
 pytestmark = pytest.mark.skipif(
     shutil.which("openssl") is None, reason="openssl makes the test certificates"

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gpubalance.config import ConfigError
-from gpubalance.exporter.webconfig import (
+from gpubalance.webconfig import (
     CIPHER_SUITES,
     BasicAuth,
     RateLimit,

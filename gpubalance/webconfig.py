@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import hmac
+import ipaddress
 import logging
 import re
 import secrets
@@ -34,6 +35,33 @@ from aiohttp import hdrs, web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpubalance.config import ConfigError, Loc, load_yaml, validate
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``:PORT`` means every interface, ``[::1]:PORT`` for IPv6)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0..65535, got {port}")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is reachable from this machine only (a host name other than
+    localhost may resolve anywhere: it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 log = logging.getLogger("gpubalance.exporter")
 
