@@ -7,7 +7,8 @@ the batches run full, and what it completes is what it can. A GPU with few such 
 shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows' worth of the
 peers' figure); one with none takes its peers' figure, else its own best rate per busy second
 (completions over utilization), a lower bound: partial batches serve fewer requests per busy
-second than full ones. Where neither exists the capacity is None: the telemetry cannot say.
+second than full ones, so that GPU's ρ is an upper bound (``measured`` is False). Where neither
+exists the capacity is None: the telemetry cannot say.
 
 The **offered** load of a GPU is what arrived for it: its completions, plus its KV allocation
 failures (work that came and failed), plus the growth of its queue, per second, over the
@@ -62,6 +63,12 @@ class GpuCapacity:
         return self.offered_per_second / self.capacity_per_second
 
     @property
+    def measured(self) -> bool:
+        """Whether the capacity was measured with work waiting (here or on a same-card peer),
+        not only bounded from below by the busy rate."""
+        return self.source in ("saturated", "shrunk", "peers")
+
+    @property
     def confidence(self) -> float:
         """How far the capacity is measured: 1 with enough saturated windows of its own."""
         return {
@@ -106,19 +113,32 @@ class CapacityModel:
         busy_rate: dict[tuple[str, str], float] = {}
         latest: dict[tuple[str, str], GpuFrame] = {}
         offered: dict[tuple[str, str], float | None] = {}
+        full_clock: dict[tuple[str, str], list[float]] = {}
         pools: dict[tuple[str, str], str] = {}
         for key, indices in rows.items():
             indices.sort(key=lambda i: table.frames[i].t_start)
             live = [i for i in indices if _live(table.frames[i])]
             saturated = [
-                c
+                i
                 for i in live
-                if (c := table.frames[i].completions_per_second)
+                if table.frames[i].completions_per_second
                 and queue[i] >= self.saturated_queue_batches
                 and (table.frames[i].utilization_mean_ratio or 0.0)
                 >= self.saturated_utilization_ratio
+            ][-self.history_windows :]
+            # its capacity at the clock it runs at now: a throttle lowers it, a lifted one
+            # restores it; only its full-clock windows speak for its card
+            now_throttled = bool(live) and _throttled(table.frames[live[-1]])
+            own[key] = [
+                table.frames[i].completions_per_second or 0.0
+                for i in saturated
+                if _throttled(table.frames[i]) == now_throttled
             ]
-            own[key] = saturated[-self.history_windows :]
+            full_clock[key] = [
+                table.frames[i].completions_per_second or 0.0
+                for i in saturated
+                if not _throttled(table.frames[i])
+            ]
             rates = [
                 f.completions_per_second / f.utilization_mean_ratio
                 for f in (table.frames[i] for i in live)
@@ -139,7 +159,7 @@ class CapacityModel:
             offered[key] = self._offered([table.frames[i] for i in indices])
         # the same card in the same pool: the same model on the same silicon
         by_card: dict[tuple[str, str, str | None], dict[tuple[str, str], float]] = {}
-        for key, values in own.items():
+        for key, values in full_clock.items():
             if values:
                 frame = latest[key]
                 card = (frame.host, pools[key], frame.card)
@@ -210,9 +230,14 @@ class CapacityModel:
             key=lambda g: g.gpu,
         )
 
-    def rho(self, host: str, pool: str) -> dict[int, float]:
-        """ρ now of each GPU of the pool whose ρ the telemetry gives."""
-        return {g.gpu: rho for g in self.pool(host, pool) if (rho := g.rho) is not None}
+    def rho(self, host: str, pool: str, *, measured: bool = False) -> dict[int, float]:
+        """ρ now of each GPU of the pool whose ρ the telemetry gives (``measured``: only those
+        whose capacity is measured, not bounded; the others' ρ is an upper bound)."""
+        return {
+            g.gpu: rho
+            for g in self.pool(host, pool)
+            if (rho := g.rho) is not None and (g.measured or not measured)
+        }
 
     def pool_rho(
         self, host: str, pool: str, extra_capacity_per_second: float = 0.0
@@ -258,6 +283,11 @@ class CapacityModel:
                 return None
             out[gpu] = total * share / weight / capacity
         return out
+
+
+def _throttled(frame: GpuFrame) -> bool:
+    # a slowdown reason most of the window; a clock under its maximum alone is boost at work
+    return (frame.throttled_ratio or 0.0) >= 0.5
 
 
 def _live(frame: GpuFrame) -> bool:
