@@ -210,14 +210,10 @@ class CapacityModel:
             return 0.0 if recent and recent[-1].lost else None
         total = seconds = 0.0
         for frame in recent:
-            if frame.completions_per_second is None:
+            rate = _rate(frame)
+            if rate is None:
                 continue
-            rate = frame.completions_per_second
-            if frame.allocation_failures:
-                rate += frame.allocation_failures / frame.seconds
-            if frame.queue_depth_slope_per_second is not None:
-                rate += frame.queue_depth_slope_per_second
-            total += max(0.0, rate) * frame.seconds
+            total += rate * frame.seconds
             seconds += frame.seconds
         return total / seconds if seconds > 0 else None
 
@@ -230,27 +226,22 @@ class CapacityModel:
             key=lambda g: g.gpu,
         )
 
-    def rho(self, host: str, pool: str, *, measured: bool = False) -> dict[int, float]:
-        """ρ now of each GPU of the pool whose ρ the telemetry gives (``measured``: only those
-        whose capacity is measured, not bounded; the others' ρ is an upper bound)."""
-        return {
-            g.gpu: rho
-            for g in self.pool(host, pool)
-            if (rho := g.rho) is not None and (g.measured or not measured)
-        }
+    def rho(self, host: str, pool: str) -> dict[int, float]:
+        """ρ now of each GPU of the pool whose ρ the telemetry gives (an upper bound where its
+        capacity is not ``measured``)."""
+        return {g.gpu: rho for g in self.pool(host, pool) if (rho := g.rho) is not None}
 
-    def pool_rho(
-        self, host: str, pool: str, extra_capacity_per_second: float = 0.0
-    ) -> float | None:
-        """The pool's total offered load over its total capacity."""
+    def offered(self, host: str, pool: str) -> float:
+        """The pool's offered load, per second (GPUs whose load is unknown count none)."""
+        return sum(g.offered_per_second or 0.0 for g in self.pool(host, pool))
+
+    def pool_rho(self, host: str, pool: str) -> float | None:
+        """The pool's offered load over its total capacity."""
         members = self.pool(host, pool)
-        offered = [g.offered_per_second for g in members]
         capacity = [g.capacity_per_second for g in members if g.capacity_per_second]
-        if any(o is None for o in offered) or not capacity:
+        if any(g.offered_per_second is None for g in members) or not capacity:
             return None
-        return sum(o for o in offered if o is not None) / (
-            sum(capacity) + extra_capacity_per_second
-        )
+        return self.offered(host, pool) / sum(capacity)
 
     def predict_rho(
         self,
@@ -267,7 +258,7 @@ class CapacityModel:
         offered = [g.offered_per_second for g in members.values()]
         if any(o is None for o in offered):
             return None
-        total = sum(o for o in offered if o is not None)
+        total = self.offered(host, pool)
         weight = sum(shares.values())
         if weight <= 0:
             return None
@@ -283,6 +274,18 @@ class CapacityModel:
                 return None
             out[gpu] = total * share / weight / capacity
         return out
+
+
+def _rate(frame: GpuFrame) -> float | None:
+    """What arrived for the GPU in the window, per second."""
+    if frame.completions_per_second is None or not _live(frame):
+        return None
+    rate = frame.completions_per_second
+    if frame.allocation_failures:
+        rate += frame.allocation_failures / frame.seconds
+    if frame.queue_depth_slope_per_second is not None:
+        rate += frame.queue_depth_slope_per_second
+    return max(0.0, rate)
 
 
 def _throttled(frame: GpuFrame) -> bool:

@@ -147,8 +147,11 @@ def _gpus(indices: Iterable[int]) -> str:
     return ("GPU " if len(ordered) == 1 else "GPUs ") + ", ".join(map(str, ordered))
 
 
-def _rho_text(rho: Mapping[int, float]) -> str:
-    return ", ".join(f"GPU {g} {r:.2f}" for g, r in sorted(rho.items()))
+def _rho_text(rho: Mapping[int, float], measured: set[int]) -> str:
+    # a GPU whose capacity is only bounded from below has its ρ bounded from above
+    return ", ".join(
+        f"GPU {g} {'' if g in measured else '≤ '}{r:.2f}" for g, r in sorted(rho.items())
+    )
 
 
 class _Pool:
@@ -217,7 +220,7 @@ class _Pool:
             detail = v.unknown_reason or (v.evidence[0] if v.evidence else "")
             evidence.append(f"{head} since {h.since_seconds:.0f}: {detail}".rstrip(": "))
         if self.rho_now:
-            evidence.append(f"capacity model, ρ now: {_rho_text(self.rho_now)}")
+            evidence.append(f"capacity model, ρ now: {_rho_text(self.rho_now, self.measured)}")
         # as sure as its least sure verdict, times its least measured capacity
         confidence = min([h.verdict.confidence for h in because] or [1.0])
         confidence *= min([self.gpus[g].confidence for g in receivers if g in self.gpus] or [1.0])

@@ -3,8 +3,9 @@
 Each variant runs at the fast speed to the window nearest half its duration, is diagnosed with
 the queue + utilization baseline, and every recommendation the lab can carry out is applied
 (gpubalance.lab.apply.outcomes); the realised ρ is the ground truth's mean over the
-recommendation's horizon. Prints the median |predicted - realised| overall, per action and per
-how the capacity behind the prediction was measured.
+recommendation's horizon. Prints the median |predicted - realised| over the GPUs predicted, overall,
+per action and per how the capacity behind the prediction was measured, and over the
+recommendations (each the mean over its GPUs).
 
     python bench/recommend_error.py --count 3 --seed 5
 """
@@ -38,6 +39,11 @@ def main() -> None:
         if o.rho_error is not None and not o.taken_out:
             groups[f"action {o.action}"].append(o.rho_error)
             groups[f"capacity {o.capacity_source}"].append(o.rho_error)
+    # a recommendation's error: the mean over the GPUs it predicts
+    per: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for o in found:
+        if o.rho_error is not None and not o.taken_out:
+            per[(o.scenario, o.recommendation_id)].append(o.rho_error)
     runs = len({o.scenario for o in found})
     print(f"{len(documents)} variants, {runs} with a recommendation the lab applies")
     print(f"{'':28} {'GPUs':>5} {'median |Δρ|':>12}")
@@ -45,6 +51,11 @@ def main() -> None:
         print(f"{'all':28} {len(errors):5d} {statistics.median(errors):12.3f}")
     for name, values in sorted(groups.items()):
         print(f"{name:28} {len(values):5d} {statistics.median(values):12.3f}")
+    if per:
+        means = [statistics.fmean(v) for v in per.values()]
+        print(
+            f"{len(per)} recommendations, median of their mean |Δρ|: {statistics.median(means):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -283,7 +283,15 @@ def _scale_out(
 ) -> None:
     count = int(str(params["gpus"]))
     card = next((key for key, spec in CARDS.items() if spec.model == params.get("card")), None)
-    like = next((names[0] for names in serving.values() if names), None)
+    # the new workers are copies of one on a card of the kind added (batch sizes follow cards)
+    like = next(
+        (
+            names[0]
+            for gpu, names in serving.items()
+            if names and resolved.gpus[gpu].card.model == params.get("card")
+        ),
+        next((names[0] for names in serving.values() if names), None),
+    )
     if card is None or like is None:
         raise ValueError(f"scale_out: no card {params.get('card')!r} or no worker to copy")
     first = len(resolved.gpus)
