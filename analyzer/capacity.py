@@ -55,6 +55,7 @@ class GpuCapacity:
     saturated_windows: int  # windows of its own the capacity was measured in
     offered_per_second: float | None  # completions + failures + queue growth, recent windows
     t_end: float  # the end of its latest window
+    queue_depth: float | None = None  # requests waiting at it, mean over its latest window
 
     @property
     def rho(self) -> float | None:
@@ -181,6 +182,7 @@ class CapacityModel:
                 saturated_windows=len(mine),
                 offered_per_second=offered[key],
                 t_end=frame.t_end,
+                queue_depth=frame.queue_depth_mean if _live(frame) else None,
             )
         return self
 
@@ -276,6 +278,22 @@ class CapacityModel:
         return out
 
 
+def drain_seconds(gpus: Mapping[int, GpuCapacity], rho: Mapping[int, float]) -> dict[int, float]:
+    """How long each GPU's queue takes to empty at these ρ: its backlog over the capacity left
+    beside the new work (infinite at ρ ≥ 1: it grows)."""
+    out: dict[int, float] = {}
+    for gpu, r in rho.items():
+        held = gpus.get(gpu)
+        backlog = (held.queue_depth or 0.0) if held is not None else 0.0
+        if r >= 1.0:
+            out[gpu] = math.inf
+        elif backlog > 0 and held is not None and held.capacity_per_second:
+            out[gpu] = backlog / ((1.0 - r) * held.capacity_per_second)
+        else:
+            out[gpu] = 0.0
+    return out
+
+
 def _rate(frame: GpuFrame) -> float | None:
     """What arrived for the GPU in the window, per second."""
     if frame.completions_per_second is None or not _live(frame):
@@ -297,14 +315,30 @@ def _live(frame: GpuFrame) -> bool:
     return frame.sample_count > 0 and not frame.lost and frame.serving_queues > 0
 
 
-def idle_while_queued(rho: Mapping[int, float]) -> float | None:
-    """The pool's idle-while-queued share the capacity model expects at these ρ: a GPU with
-    ρ < 1 leaves 1 - ρ of its capacity unused, and a GPU with ρ ≥ 1 holds a growing queue.
+def idle_while_queued(
+    rho: Mapping[int, float],
+    drain: Mapping[int, float] | None = None,
+    horizon_seconds: float | None = None,
+) -> float | None:
+    """The pool's idle-while-queued share the capacity model expects at these ρ, over a
+    horizon: a GPU with ρ < 1 leaves 1 - ρ of its capacity unused, for the share of the
+    horizon in which another GPU still has work queued: all of it beside a GPU at ρ ≥ 1, until
+    its backlog drains (``drain``: seconds per GPU, :func:`drain_seconds`) beside the others.
     The verdicts' definition, with ρ in place of utilization times batch fill."""
     if not rho:
         return None
-    queued = {g for g, r in rho.items() if r >= 1.0}
+
+    def queued_share(gpu: int) -> float:
+        if rho[gpu] >= 1.0:
+            return 1.0
+        if drain is None or not horizon_seconds:
+            return 0.0
+        return min(1.0, drain.get(gpu, 0.0) / horizon_seconds)
+
+    shares = {g: queued_share(g) for g in rho}
     idle = [
-        (1.0 - min(1.0, r)) if queued - {g} else 0.0 for g, r in rho.items() if not math.isnan(r)
+        (1.0 - min(1.0, r)) * max([shares[h] for h in rho if h != g] or [0.0])
+        for g, r in rho.items()
+        if not math.isnan(r)
     ]
     return sum(idle) / len(idle) if idle else None

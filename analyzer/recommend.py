@@ -33,7 +33,12 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpubalance.analyzer.capacity import CapacityModel, GpuCapacity, idle_while_queued
+from gpubalance.analyzer.capacity import (
+    CapacityModel,
+    GpuCapacity,
+    drain_seconds,
+    idle_while_queued,
+)
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.verdict import Diagnosis
 from gpubalance.diagnosis import Action, ExpectedEffect, FleetVerdict, Recommendation, Verdict
@@ -177,7 +182,7 @@ class _Pool:
         # every GPU's ρ, bounds included, decides; only measured ones are predicted
         self.rho_now = model.rho(host, pool)
         self.measured = {g for g, c in self.gpus.items() if c.measured}
-        self.iwq_now = idle_while_queued(self.rho_now)
+        self.iwq_now = self._idle_while_queued(self.rho_now)
 
     def recommendations(self) -> list[Recommendation]:
         out: list[Recommendation] = []
@@ -235,7 +240,7 @@ class _Pool:
                 rho_before={g: round(r, 4) for g, r in self.rho_now.items() if g in self.measured},
                 rho_after={g: round(r, 4) for g, r in sorted(predicted.items())},
                 idle_while_queued_before=_round(self.iwq_now),
-                idle_while_queued_after=_round(idle_while_queued(rho_after)),
+                idle_while_queued_after=_round(self._idle_while_queued(rho_after or {})),
                 capacity_per_second={
                     g: round(c.capacity_per_second, 4)
                     for g, c in sorted(self.gpus.items())
@@ -258,6 +263,11 @@ class _Pool:
             expected=expected,
             cost_rank=COST_RANK[action],
         )
+
+    def _idle_while_queued(self, rho: Mapping[int, float]) -> float | None:
+        """Over the recommendation's horizon: the backlogs queued now drain first."""
+        drain = drain_seconds(self.gpus, rho)
+        return idle_while_queued(rho, drain, self.r.ttl_seconds)
 
     def _shares_now(self) -> dict[int, float]:
         return {

@@ -11,7 +11,8 @@ The change takes effect at T where the scenario has an event for it (weights, a 
 made to the plan itself, which the ground truth reads per window, so its windows from T on are
 those of a server changed at T. Router events after T are dropped from the changed scenario:
 from T on the weights are the executor's. The rest of the run is the changed scenario's; its
-idle-while-queued is read from T plus one window (what is queued at T drains first).
+idle-while-queued is read from the features of its frames over the same horizon (what is queued
+at T drains first, as the prediction expects).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _compare(
         if at <= row.t_start < end:
             realised.setdefault(row.gpu, []).append(row.rho)
     gpus = set(recommendation.expected.rho_after)
-    iwq = _idle_while_queued(changed, requests, seed, gpus, at + scenario.truth_window_seconds, end)
+    iwq = _idle_while_queued(changed, requests, seed, gpus, at, end)
     return [
         Outcome(
             scenario=name,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubalance.analyzer.capacity import CapacityModel, idle_while_queued
+from gpubalance.analyzer.capacity import CapacityModel, drain_seconds, idle_while_queued
 from gpubalance.analyzer.features import FeatureBuilder
 from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
 from gpubalance.lab import run as lab_run
@@ -173,10 +173,22 @@ def test_a_share_on_an_unknown_capacity_gives_no_prediction() -> None:
     assert model.predict_rho("h", "llama", {0: 1, 1: 1}) is None
 
 
-def test_idle_while_queued_counts_unused_capacity_beside_a_growing_queue() -> None:
+def test_idle_while_queued_counts_unused_capacity_beside_a_queue() -> None:
     assert idle_while_queued({0: 1.5, 1: 0.25, 2: 0.5}) == pytest.approx((0 + 0.75 + 0.5) / 3)
     assert idle_while_queued({0: 0.9, 1: 0.2}) == 0.0  # nothing queues
     assert idle_while_queued({}) is None
+    # a backlog that takes half the horizon to drain idles its peers half the time
+    iwq = idle_while_queued({0: 0.5, 1: 0.5}, {0: 60.0, 1: 0.0}, 120.0)
+    assert iwq == pytest.approx((0 + 0.5 * 0.5) / 2)
+
+
+def test_a_backlog_drains_on_the_capacity_left_beside_the_new_work() -> None:
+    frames = [saturated(0, w, 10.0) for w in range(3)] + [frame(1, w) for w in range(3)]
+    gpus = {g.gpu: g for g in fit(frames).pool("h", "llama")}
+    # 40 queued at GPU 0 with 10/s capacity, 2/s of it left at ρ 0.8; GPU 1 has no queue
+    drain = drain_seconds(gpus, {0: 0.8, 1: 0.5})
+    assert drain[0] == pytest.approx(20.0) and drain[1] == 0.0
+    assert drain_seconds(gpus, {0: 1.2})[0] == float("inf")
 
 
 # against the lab's ground truth

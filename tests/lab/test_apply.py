@@ -46,10 +46,11 @@ def test_reweighting_a_default_target_realises_the_predicted_rho() -> None:
         assert outcome.at_seconds == 150 and outcome.horizon_seconds == 120
         assert outcome.realised_rho is not None
         assert outcome.rho_error is not None and outcome.rho_error < 0.1, outcome
-    # GPU 0's backlog from before T still drains while its peers idle: not the steady state
-    # the prediction is of, so only reported
-    assert found[0].realised_idle_while_queued is not None
-    assert found[0].predicted_idle_while_queued == 0.0
+    # GPU 0's backlog from before T drains while its peers idle, as predicted; loosely, since
+    # the features count a GPU's unused capacity as utilization x batch fill, the model as ρ
+    predicted, realised = found[0].predicted_idle_while_queued, found[0].realised_idle_while_queued
+    assert predicted is not None and realised is not None
+    assert predicted == pytest.approx(realised, abs=0.25)
 
 
 def test_set_weights_becomes_weighted_round_robin_from_t() -> None:
