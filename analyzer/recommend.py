@@ -330,7 +330,9 @@ class _Pool:
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
             return None
-        if pool_rho >= 1.0 or (fleet_short and short):
+        # a starved GPU that could take work says the pool has room, whatever a ρ resting on
+        # capacity bounds adds up to
+        if (pool_rho >= 1.0 and not takers) or (fleet_short and short):
             return self._scale_out(over or short, pool_rho)
         hot = [h.verdict.gpu for h in over] or [
             h.verdict.gpu for h in self._held_where("overloaded")
@@ -360,13 +362,15 @@ class _Pool:
             receivers=weights,
         )
 
-    def _capacity_weights(self) -> dict[int, float] | None:
+    def _capacity_weights(self, new: Mapping[int, float] | None = None) -> dict[int, float] | None:
         """Shares of the pool's offered load: GPUs that cannot take more keep theirs (a down
-        one none), the rest go by capacity; None when a GPU's capacity is unknown."""
+        one none), the rest, with ``new`` GPUs (index -> capacity), go by capacity; None when
+        a GPU's capacity is unknown."""
         limited, down = self._limited(), {h.verdict.gpu for h in self._down()}
         now = self._shares_now()
         total = sum(now.values())
         free = {g: c.capacity_per_second for g, c in self.gpus.items() if g not in limited}
+        free.update(new or {})
         if total <= 0 or not free or not all(free.values()):
             return None
         weights = {g: 0.0 if g in down else now.get(g, 0.0) / total for g in limited}
@@ -385,31 +389,23 @@ class _Pool:
         card = max(set(cards), key=lambda x: (cards.count(x), x or ""))
         each = statistics.median(c.capacity_per_second or 0.0 for c in basis if c.card == card)
         capacity = sum(c.capacity_per_second or 0.0 for c in members)
-        offered = pool_rho * capacity
-        needed = max(1, math.ceil(offered / self.r.target_rho / each - len(members)))
+        needed = max(1, math.ceil(pool_rho * capacity / self.r.target_rho / each - len(members)))
         # the new GPUs take the host's next indices
         last = max(g.gpu for g in self.model.gpus_.values() if g.host == self.host)
         new = {last + 1 + k: each for k in range(needed)}
-        limited, down = self._limited(), {h.verdict.gpu for h in self._down()}
-        now = self._shares_now()
-        # by capacity over the GPUs that can take work, old and new; the others keep their load
-        kept = {g: 0.0 if g in down else now.get(g, 0.0) for g in self.gpus if g in limited}
-        free = {g: c.capacity_per_second or 0.0 for g, c in self.gpus.items() if g not in limited}
-        free.update(new)
-        rest = max(0.0, offered - sum(kept.values()))
-        total_free = sum(free.values())
-        shares = {**kept, **{g: rest * c / total_free for g, c in free.items()}}
+        shares = self._capacity_weights(new)
+        if shares is None:
+            return None
         after = self.model.predict_rho(self.host, self.pool, shares, new)
         if after is not None and not basis[0].measured:
             after = {g: r for g, r in after.items() if g not in new}
-        weight = sum(shares.values())
         return self._make(
             "scale_out",
             f"pool:{self.pool}",
             {
                 "gpus": needed,
                 "card": card,
-                "weights": {f"gpu:{g}": round(s / weight, 4) for g, s in sorted(shares.items())},
+                "weights": {f"gpu:{g}": round(s, 4) for g, s in sorted(shares.items())},
             },
             f"the pool is offered {pool_rho:.2f} of what its GPUs serve: no weighting can "
             f"cure it; add {needed} GPU(s) like its {card or 'cards'} to bring it to about "
