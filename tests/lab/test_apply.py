@@ -89,6 +89,23 @@ def test_a_scale_out_adds_cards_and_workers_that_take_work_from_t() -> None:
     assert changed["events"][-1]["router"]["weights"]["w5"] == pytest.approx(1 / 6, abs=1e-5)
 
 
+def test_batching_and_pools_change_only_the_workers_named() -> None:
+    document = _document("default-target")
+    resolved = plan(validate(Scenario, document, source="x"), "x")
+    tuned = apply.apply(document, resolved, _recommendation("tune_batching", {"gpu": 1}), 60)
+    delays = {w["name"]: w["max_queue_delay_ms"] for w in tuned["workers"]}
+    assert delays == {"w0": 10, "w1": 0.0, "w2": 10, "w3": 10}
+    split = apply.apply(
+        document,
+        resolved,
+        _recommendation("split_pools", {"batch_gpus": [0, 1], "interactive_gpus": [2, 3]}),
+        60,
+    )
+    new = plan(validate(Scenario, split, source="split"), "split")
+    assert [w.pool for w in new.workers] == [apply.SPLIT_POOL] * 2 + ["default"] * 2
+    assert new.pool_of("batch") == apply.SPLIT_POOL and new.pool_of("interactive") == "default"
+
+
 def test_what_the_lab_cannot_carry_out_is_named() -> None:
     document = _document("default-target")
     resolved = plan(validate(Scenario, document, source="x"), "x")
