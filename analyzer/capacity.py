@@ -115,6 +115,7 @@ class CapacityModel:
         latest: dict[tuple[str, str], GpuFrame] = {}
         offered: dict[tuple[str, str], float | None] = {}
         full_clock: dict[tuple[str, str], list[float]] = {}
+        throttled: dict[tuple[str, str], bool] = {}
         pools: dict[tuple[str, str], str] = {}
         for key, indices in rows.items():
             indices.sort(key=lambda i: table.frames[i].t_start)
@@ -130,6 +131,7 @@ class CapacityModel:
             # its capacity at the clock it runs at now: a throttle lowers it, a lifted one
             # restores it; only its full-clock windows speak for its card
             now_throttled = bool(live) and _throttled(table.frames[live[-1]])
+            throttled[key] = now_throttled
             own[key] = [
                 table.frames[i].completions_per_second or 0.0
                 for i in saturated
@@ -169,7 +171,8 @@ class CapacityModel:
         for key, frame in latest.items():
             mine = own[key]
             card = by_card.get((frame.host, pools[key], frame.card), {})
-            peers = [value for other, value in card.items() if other != key]
+            # a throttled card is not its full-clock peers: only its own windows speak for it
+            peers = [] if throttled[key] else [v for other, v in card.items() if other != key]
             capacity, source = self._capacity(mine, peers, busy_rate.get(key))
             self.gpus_[key] = GpuCapacity(
                 host=frame.host,

@@ -7,7 +7,7 @@ recommendation's horizon. Prints the median |predicted - realised| over the GPUs
 per action and per how the capacity behind the prediction was measured, and over the
 recommendations (each the mean over its GPUs).
 
-    python bench/recommend_error.py --count 3 --seed 5
+    python bench/recommend_error.py --count 3 --seed 5 --at 0.33 0.5 0.67
 """
 
 from __future__ import annotations
@@ -26,13 +26,29 @@ def main() -> None:
     parser.add_argument("--family", default="all")
     parser.add_argument("--count", type=int, default=3, help="variants per family")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument(
+        "--at",
+        type=float,
+        nargs="+",
+        default=[0.5],
+        metavar="FRACTION",
+        help="when to recommend, as fractions of each run (whole windows)",
+    )
     args = parser.parse_args()
     found: list[apply.Outcome] = []
     documents = generate(args.family, args.count, args.seed)
     for document in documents:
-        found += apply.outcomes(
-            document, str(document["name"]), int(document["seed"]), QueueUtilization()
-        )
+        duration = float(document["duration_seconds"])
+        width = float(document.get("truth_window_seconds", 30.0))
+        for fraction in args.at:
+            at = max(width, width * round(duration * fraction / width))
+            found += apply.outcomes(
+                document,
+                str(document["name"]),
+                int(document["seed"]),
+                QueueUtilization(),
+                at_seconds=at,
+            )
     errors = apply.rho_errors(found)
     groups: dict[str, list[float]] = defaultdict(list)
     for o in found:
@@ -40,10 +56,10 @@ def main() -> None:
             groups[f"action {o.action}"].append(o.rho_error)
             groups[f"capacity {o.capacity_source}"].append(o.rho_error)
     # a recommendation's error: the mean over the GPUs it predicts
-    per: dict[tuple[str, str], list[float]] = defaultdict(list)
+    per: dict[tuple[str, str, float], list[float]] = defaultdict(list)
     for o in found:
         if o.rho_error is not None and not o.taken_out:
-            per[(o.scenario, o.recommendation_id)].append(o.rho_error)
+            per[(o.scenario, o.recommendation_id, o.at_seconds)].append(o.rho_error)
     runs = len({o.scenario for o in found})
     print(f"{len(documents)} variants, {runs} with a recommendation the lab applies")
     print(f"{'':28} {'GPUs':>5} {'median |Δρ|':>12}")

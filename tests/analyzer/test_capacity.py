@@ -126,6 +126,19 @@ def test_a_few_saturated_windows_are_shrunk_toward_the_peers() -> None:
     assert gpu.capacity_per_second == pytest.approx((16.0 + 2 * 10.0) / 3)
 
 
+def test_a_throttled_card_is_measured_at_its_clock_not_by_its_peers() -> None:
+    slowed = {"throttled_ratio": 1.0, "throttle_reasons": frozenset({"sw_thermal_slowdown"})}
+    frames = [saturated(0, w, 10.0) for w in range(4)]
+    frames += [saturated(1, w, 10.0) for w in range(2)]
+    frames += [saturated(1, w, 4.0, **slowed) for w in range(2, 4)]
+    model = fit(frames)
+    gpu = model.gpus_[("h", "GPU-1")]
+    # its two windows at the throttled clock, not shrunk toward GPU 0's full clock
+    assert (gpu.source, gpu.capacity_per_second) == ("saturated", 4.0)
+    # and its full-clock windows still speak for the card
+    assert model.gpus_[("h", "GPU-0")].capacity_per_second == 10.0
+
+
 def test_another_card_is_not_a_peer_and_falls_back_to_its_busy_rate() -> None:
     frames = []
     for w in range(4):
