@@ -3,8 +3,9 @@
 `gpubalance diagnose --from SOURCE` reads a lab run directory (its snapshots.jsonl, else its
 frames.csv) or an exporter's base URL (its /api/v1/snapshot history), cuts it into windows and
 prints, per GPU, its verdict now with cause, confidence and evidence, a timeline of its states,
-and per pool the fleet verdict with the idle-while-queued ratio. `--format json` prints one
-object per GPU and window instead (`--fleet`: one per pool and window).
+and per pool the fleet verdict with the idle-while-queued ratio, then the current
+recommendations. `--format json` prints one object per GPU and window instead (`--fleet`: one
+per pool and window; `--recommend`: the recommendations).
 """
 
 from __future__ import annotations
