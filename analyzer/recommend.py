@@ -7,14 +7,16 @@ a diagnosis, from the verdicts that have held for ``persistence_windows`` window
 - an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
   proportion to fitted capacity over the GPUs that can take work (those held back by their host,
   memory or a crash keep their share);
-- a shortage (total ρ ≥ 1, or the fleet verdict says so): ``add_worker`` on an idle GPU of the
-  host that serves nothing, else ``scale_out`` by as many GPUs of the pool's card as bring the
-  pool under ``target_rho``;
+- a shortage (total ρ ≥ 1 with no GPU that could take work, or the fleet verdict says so):
+  ``scale_out`` by as many GPUs of the pool's card as bring the pool under ``target_rho``;
 - over-provisioning (every GPU starved for want of demand): ``remove_worker`` of the GPU with the
   least capacity, when the rest stay under ``target_rho``;
 - batching that idles the GPU: ``tune_batching``; interactive work behind batch work in one
   queue: ``split_pools``; a host, disk, memory or clock limit: ``investigate_host`` (a person or a
   runbook must look: no routing change cures it).
+
+``move_worker`` and ``add_worker`` have a cost rank but no rule yet: the frames do not say which
+worker serves which queue, nor which GPU has room for another model.
 
 Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
 idle-while-queued before and after. An action that physics rules out is never recommended: no
