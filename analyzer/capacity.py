@@ -22,6 +22,7 @@ GPU would have if the pool's offered load were split in the given shares.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping
@@ -106,6 +107,8 @@ class CapacityModel:
         self.recent_windows = recent_windows
 
     def fit(self, table: FeatureTable) -> CapacityModel:
+        # a damaged recording's NaN or infinite figure is unknown here, as everywhere
+        table = FeatureTable(tuple(_finite(f) for f in table.frames), table.values, table.columns)
         queue = table.column("queue_batches")
         rows: dict[tuple[str, str], list[int]] = {}
         for i, frame in enumerate(table.frames):
@@ -307,6 +310,15 @@ def _rate(frame: GpuFrame) -> float | None:
     if frame.queue_depth_slope_per_second is not None:
         rate += frame.queue_depth_slope_per_second
     return max(0.0, rate)
+
+
+def _finite(frame: GpuFrame) -> GpuFrame:
+    bad = {
+        f.name: None
+        for f in dataclasses.fields(frame)
+        if isinstance(value := getattr(frame, f.name), float) and not math.isfinite(value)
+    }
+    return dataclasses.replace(frame, **bad) if bad else frame
 
 
 def _throttled(frame: GpuFrame) -> bool:

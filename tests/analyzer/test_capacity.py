@@ -156,6 +156,15 @@ def test_no_completions_leave_capacity_and_rho_unknown() -> None:
     assert gpu.source == "none" and gpu.confidence == 0.0
 
 
+def test_a_damaged_figure_is_unknown_not_a_capacity() -> None:
+    nan = float("nan")
+    frames = [saturated(0, w, 10.0) for w in range(3)]
+    frames.append(saturated(0, 3, nan, queue_depth_slope_per_second=float("inf")))
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert gpu.capacity_per_second == 10.0 and gpu.saturated_windows == 3
+    assert gpu.offered_per_second == 10.0  # the damaged window counts for nothing
+
+
 def test_a_lost_gpu_is_offered_nothing_and_keeps_its_pool() -> None:
     frames = [saturated(0, w, 10.0) for w in range(3)]
     frames.append(frame(0, 3, lost=True, sample_count=0, serving_queues=0, queue_names=()))
