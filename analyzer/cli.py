@@ -3,8 +3,9 @@
 `gpubalance diagnose --from SOURCE` reads a lab run directory (its snapshots.jsonl, else its
 frames.csv) or an exporter's base URL (its /api/v1/snapshot history), cuts it into windows and
 prints, per GPU, its verdict now with cause, confidence and evidence, a timeline of its states,
-and per pool the fleet verdict with the idle-while-queued ratio. `--format json` prints one
-object per GPU and window instead (`--fleet`: one per pool and window).
+and per pool the fleet verdict with the idle-while-queued ratio, then the current
+recommendations. `--format json` prints one object per GPU and window instead (`--fleet`: one
+per pool and window; `--recommend`: the recommendations).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from gpubalance.analyzer.features import FeatureTable
     from gpubalance.analyzer.frames import GpuFrame
     from gpubalance.analyzer.verdict import Classifier, Diagnosis
+    from gpubalance.diagnosis import Recommendation
 
 DEFAULT_WINDOW_SECONDS = 30.0
 TIMELINE_WINDOWS = 40
@@ -88,12 +90,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --format json: print the fleet verdicts (per pool and window) instead",
     )
+    parser.add_argument(
+        "--recommend",
+        action="store_true",
+        help="with --format json: print the current recommendations instead (the table "
+        "always shows them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.fleet and args.format != "json":
-            raise DiagnoseError("--fleet goes with --format json (the table shows both)")
+        if (args.fleet or args.recommend) and args.format != "json":
+            flag = "--fleet" if args.fleet else "--recommend"
+            raise DiagnoseError(f"{flag} goes with --format json (the table shows it)")
+        if args.fleet and args.recommend:
+            raise DiagnoseError("--fleet or --recommend, not both")
         classifier_name = " ".join(args.classifier)
         classifier = _classifier(args.classifier)
         table, diagnosis = _diagnose(args.source, args.window, classifier)
@@ -104,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpubalance diagnose: {exc}", file=sys.stderr)
         return 1
     if args.format == "json":
-        rows = _fleet_rows(diagnosis) if args.fleet else _verdict_rows(diagnosis)
+        if args.recommend:
+            rows = [_plain(r) for r in _recommendations(table, diagnosis)]
+        else:
+            rows = _fleet_rows(diagnosis) if args.fleet else _verdict_rows(diagnosis)
         # one row per line: readable with grep, loadable as one JSON document
         sys.stdout.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
         return 0
@@ -194,6 +208,27 @@ def _status(text: str) -> AbstractContextManager[Any]:
     from rich.console import Console
 
     return Console(stderr=True).status(text)
+
+
+def _recommendations(table: FeatureTable, diagnosis: Diagnosis) -> tuple[Recommendation, ...]:
+    """What the recommender says at the end of the source's last window."""
+    from gpubalance.analyzer.recommend import Recommender
+
+    now = max((f.t_end for f in table.frames), default=0.0)
+    return Recommender().recommend(diagnosis, table, now)
+
+
+def _plain(value: object) -> Any:
+    """A recommendation (or any of its parts) as JSON-ready values; GPU keys as strings."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _verdict_rows(diagnosis: Diagnosis) -> list[dict[str, object]]:
@@ -324,6 +359,24 @@ def _print_table(
         for sentence in now.evidence:
             if not sentence.startswith("idle while queued"):  # the line above says it
                 console.print(f"  {sentence}", markup=False)
+    _print_recommendations(console, _recommendations(table, diagnosis))
+
+
+def _print_recommendations(console: Any, found: Sequence[Recommendation]) -> None:
+    from rich.text import Text
+
+    if not found:
+        console.print("recommendations: none")
+        return
+    console.print("recommendations, cheapest first:")
+    for r in found:
+        line = Text(f"  {r.action} {r.target}", style="bold")
+        line.append(f" (confidence {r.confidence:.2f}, id {r.id}): {r.reason}", style="")
+        console.print(line)
+        if r.expected is not None:
+            before = ", ".join(f"{g} {v:.2f}" for g, v in sorted(r.expected.rho_before.items()))
+            after = ", ".join(f"{g} {v:.2f}" for g, v in sorted(r.expected.rho_after.items()))
+            console.print(f"    ρ by GPU now {before or 'n/a'}; after {after}", markup=False)
 
 
 _FLEET_STYLES = {

@@ -350,3 +350,18 @@ def test_an_exporter_with_a_hung_gpu(
     finally:
         exporter.write({"device_count": 2})
         exporter.stop()
+
+
+def test_recommendations_show_under_the_table_and_as_json(
+    run_dir: Path, diagnose: Callable[..., Result]
+) -> None:
+    table = diagnose("--from", str(run_dir))
+    assert table.returncode == 0, table.stderr
+    after = table.stdout.split("recommendations, cheapest first:", 1)[1]
+    assert "set_weights pool:llama-3.2-3b" in after and "ρ by GPU now 0 " in after
+    found = _rows(diagnose("--from", str(run_dir), "--format", "json", "--recommend"))
+    weights = found[0]
+    assert weights["action"] == "set_weights" and weights["cost_rank"] == 0
+    expected = weights["expected"]
+    assert isinstance(expected, dict) and set(expected["rho_after"]) == {"0", "1", "2"}
+    assert diagnose("--from", str(run_dir), "--recommend").returncode == 2

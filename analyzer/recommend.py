@@ -1,0 +1,528 @@
+"""Recommendations: typed actions for a pool, from persisted verdicts and the capacity model.
+
+Policy, not learning (scikit-learn's split: features, model, then plain code): for each pool of
+a diagnosis, from the verdicts that have held for ``persistence_windows`` windows,
+
+- a lost GPU or a crashed worker: ``drain`` it (its work goes to the others);
+- an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
+  proportion to fitted capacity over the GPUs that can take work (those held back by their host,
+  memory or a crash keep their share);
+- a shortage (total ρ ≥ 1 with no GPU that could take work, or the fleet verdict says so):
+  ``scale_out`` by as many GPUs of the pool's card as bring the pool under ``target_rho``;
+- over-provisioning (every GPU starved for want of demand): ``remove_worker`` of the GPU with the
+  least capacity, when the rest stay under ``target_rho``;
+- batching that idles the GPU: ``tune_batching``; interactive work behind batch work in one
+  queue: ``split_pools``; a host, disk, memory or clock limit: ``investigate_host`` (a person or a
+  runbook must look: no routing change cures it).
+
+``move_worker`` and ``add_worker`` have a cost rank but no rule yet: the frames do not say which
+worker serves which queue, nor which GPU has room for another model.
+
+Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
+idle-while-queued before and after. An action that physics rules out is never recommended: no
+weights that send more work to a GPU its host holds back, no scale-out for a pool with room,
+no drain of a pool's last GPU, nothing for a pool whose GPUs are all balanced. The same
+situation gives the same id on every call (so an executor's ack sticks to it); its created time
+is the start of the run of windows that made it, its expiry ``ttl_seconds`` after the call.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpubalance.analyzer.capacity import (
+    CapacityModel,
+    GpuCapacity,
+    drain_seconds,
+    idle_while_queued,
+)
+from gpubalance.analyzer.features import FeatureTable
+from gpubalance.analyzer.verdict import Diagnosis
+from gpubalance.diagnosis import Action, ExpectedEffect, FleetVerdict, Recommendation, Verdict
+
+# cheapest first: re-weighting is a runtime API call, a drain loses a GPU's throughput, moving
+# or adding a worker reloads a model, new GPUs cost money
+COST_RANK: Mapping[Action, int] = {
+    "set_weights": 0,
+    "tune_batching": 1,
+    "drain": 2,
+    "investigate_host": 3,
+    "split_pools": 4,
+    "move_worker": 5,
+    "add_worker": 6,
+    "remove_worker": 6,
+    "scale_out": 7,
+}
+# starved for want of work: these GPUs can take more
+TAKES_WORK = frozenset({"routing_skew", "low_demand"})
+# overloaded because the routing sends more than it serves now: other weights relieve it (a
+# throttled card's capacity is measured at its clock, so weights follow the throttle too)
+MISROUTED = frozenset({"routing_skew", "slow_card", "throttling"})
+# what holds a GPU back whatever it is sent: more work would only wait
+HELD_BACK = frozenset({"host_bound", "io_bound", "memory_pressure"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A GPU's verdict that has held for the last windows, and since when."""
+
+    verdict: Verdict
+    since_seconds: float
+
+
+class Recommender:
+    """Recommendations for a diagnosis and its feature table.
+
+    ``capacity``: the (unfitted) capacity model, copied and fitted on each call.
+    ``persistence_windows``: windows in a row a GPU's verdict must hold before it is acted on.
+    ``target_rho``: the pool ρ a scale-out or a scale-in aims at. ``min_gain_rho``: the least
+    drop of the pool's highest ρ that makes a re-weighting worth its change. ``ttl_seconds``:
+    how long a recommendation stands unless a later call renews it.
+    """
+
+    def __init__(
+        self,
+        capacity: CapacityModel | None = None,
+        persistence_windows: int = 2,
+        target_rho: float = 0.7,
+        min_gain_rho: float = 0.1,
+        ttl_seconds: float = 120.0,
+    ) -> None:
+        self.capacity = capacity
+        self.persistence_windows = persistence_windows
+        self.target_rho = target_rho
+        self.min_gain_rho = min_gain_rho
+        self.ttl_seconds = ttl_seconds
+
+    def recommend(
+        self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
+    ) -> tuple[Recommendation, ...]:
+        if self.persistence_windows < 1:
+            raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
+        if not 0 < self.target_rho < 1:
+            raise ValueError(f"target_rho must be between 0 and 1: {self.target_rho}")
+        model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
+        held = self._held(diagnosis.verdicts)
+        fleet: dict[tuple[str, str], FleetVerdict] = {}
+        for verdict in diagnosis.fleet:
+            fleet[(verdict.host, verdict.pool)] = verdict  # time order: the latest wins
+        pools: dict[tuple[str, str], list[_Held]] = {}
+        for item in held.values():
+            pools.setdefault((item.verdict.host, item.verdict.pool), []).append(item)
+        out: list[Recommendation] = []
+        for (host, pool), members in sorted(pools.items()):
+            context = _Pool(self, model, host, pool, members, fleet.get((host, pool)), now_seconds)
+            out += context.recommendations()
+        out.sort(key=lambda r: (r.cost_rank, r.host, r.target, r.id))
+        return tuple(out)
+
+    def _held(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], _Held]:
+        """Per GPU, its latest verdict when the last ``persistence_windows`` agree."""
+        by_gpu: dict[tuple[str, int], list[Verdict]] = {}
+        for verdict in verdicts:
+            by_gpu.setdefault((verdict.host, verdict.gpu), []).append(verdict)
+        out: dict[tuple[str, int], _Held] = {}
+        for key, series in by_gpu.items():
+            series.sort(key=lambda v: v.t_start)
+            last = series[-1]
+            run = 0
+            for verdict in reversed(series):
+                if _situation(verdict) != _situation(last):
+                    break
+                run += 1
+            if run >= self.persistence_windows:
+                out[key] = _Held(last, series[-run].t_start)
+        return out
+
+
+def _situation(verdict: Verdict) -> tuple[str, str, str | None]:
+    return (verdict.state, verdict.cause, verdict.unknown_reason)
+
+
+def _stable_id(action: Action, host: str, pool: str, target: str) -> str:
+    text = f"{action}|{host}|{pool}|{target}"
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _gpus(indices: Iterable[int]) -> str:
+    ordered = sorted(indices)
+    return ("GPU " if len(ordered) == 1 else "GPUs ") + ", ".join(map(str, ordered))
+
+
+def _rho_text(rho: Mapping[int, float], measured: set[int]) -> str:
+    # a GPU whose capacity is only bounded from below has its ρ bounded from above
+    return ", ".join(
+        f"GPU {g} {'' if g in measured else '≤ '}{r:.2f}" for g, r in sorted(rho.items())
+    )
+
+
+class _Pool:
+    """One pool's held verdicts, its capacity figures, and the recommendations they make."""
+
+    def __init__(
+        self,
+        recommender: Recommender,
+        model: CapacityModel,
+        host: str,
+        pool: str,
+        members: Sequence[_Held],
+        fleet: FleetVerdict | None,
+        now_seconds: float,
+    ) -> None:
+        self.r = recommender
+        self.model = model
+        self.host, self.pool = host, pool
+        self.held = {m.verdict.gpu: m for m in members}
+        self.fleet = fleet
+        self.now = now_seconds
+        self.gpus: dict[int, GpuCapacity] = {g.gpu: g for g in model.pool(host, pool)}
+        # every GPU's ρ, bounds included, decides; only measured ones are predicted
+        self.rho_now = model.rho(host, pool)
+        self.measured = {g for g, c in self.gpus.items() if c.measured}
+        self.iwq_now = self._idle_while_queued(self.rho_now)
+
+    def recommendations(self) -> list[Recommendation]:
+        out: list[Recommendation] = []
+        out += self._drains()
+        balance = self._balance()
+        if balance is not None:
+            out.append(balance)
+        out += self._host_limits()
+        out += self._batching()
+        out += self._interference()
+        scale_in = self._scale_in()
+        if scale_in is not None:
+            out.append(scale_in)
+        return out
+
+    # building blocks
+
+    def _held_where(self, state: str, causes: Iterable[str] | None = None) -> list[_Held]:
+        wanted = None if causes is None else set(causes)
+        return [
+            h
+            for g, h in sorted(self.held.items())
+            if h.verdict.state == state and (wanted is None or h.verdict.cause in wanted)
+        ]
+
+    def _make(
+        self,
+        action: Action,
+        target: str,
+        parameters: Mapping[str, object],
+        reason: str,
+        because: Sequence[_Held],
+        rho_after: Mapping[int, float] | None,
+        receivers: Iterable[int] = (),
+    ) -> Recommendation:
+        evidence: list[str] = []
+        for h in because:
+            v = h.verdict
+            head = f"GPU {v.gpu} {v.state}" + (f"/{v.cause}" if v.cause != "none" else "")
+            detail = v.unknown_reason or (v.evidence[0] if v.evidence else "")
+            evidence.append(f"{head} since {h.since_seconds:.0f}: {detail}".rstrip(": "))
+        if self.rho_now:
+            evidence.append(f"capacity model, ρ now: {_rho_text(self.rho_now, self.measured)}")
+        # as sure as its least sure verdict, times its least measured capacity
+        confidence = min([h.verdict.confidence for h in because] or [1.0])
+        confidence *= min([self.gpus[g].confidence for g in receivers if g in self.gpus] or [1.0])
+        expected = None
+        # a GPU whose capacity is only bounded gets no prediction: the telemetry cannot say;
+        # new GPUs take the measured capacity of their card
+        predicted = {
+            g: r for g, r in (rho_after or {}).items() if g in self.measured or g not in self.gpus
+        }
+        if rho_after is not None and predicted:
+            expected = ExpectedEffect(
+                rho_before={g: round(r, 4) for g, r in self.rho_now.items() if g in self.measured},
+                rho_after={g: round(r, 4) for g, r in sorted(predicted.items())},
+                idle_while_queued_before=_round(self.iwq_now),
+                idle_while_queued_after=_round(self._idle_while_queued(rho_after or {})),
+                capacity_per_second={
+                    g: round(c.capacity_per_second, 4)
+                    for g, c in sorted(self.gpus.items())
+                    if c.capacity_per_second is not None
+                },
+                capacity_source={g: c.source for g, c in sorted(self.gpus.items())},
+            )
+        since = min([h.since_seconds for h in because] or [self.now])
+        return Recommendation(
+            id=_stable_id(action, self.host, self.pool, target),
+            action=action,
+            host=self.host,
+            target=target,
+            parameters={"pool": self.pool, **parameters},
+            reason=reason,
+            evidence=tuple(evidence),
+            confidence=round(min(1.0, confidence), 4),
+            created_seconds=since,
+            expires_seconds=self.now + self.r.ttl_seconds,
+            expected=expected,
+            cost_rank=COST_RANK[action],
+        )
+
+    def _idle_while_queued(self, rho: Mapping[int, float]) -> float | None:
+        """Over the recommendation's horizon: the backlogs queued now drain first."""
+        drain = drain_seconds(self.gpus, rho)
+        return idle_while_queued(rho, drain, self.r.ttl_seconds)
+
+    def _shares_now(self) -> dict[int, float]:
+        return {
+            g: c.offered_per_second or 0.0
+            for g, c in self.gpus.items()
+            if c.offered_per_second is not None
+        }
+
+    def _down(self) -> list[_Held]:
+        return [
+            h
+            for h in self.held.values()
+            if (h.verdict.state == "unknown" and h.verdict.unknown_reason == "GPU lost")
+            or (h.verdict.state == "starved" and h.verdict.cause == "worker_crash")
+        ]
+
+    # the rules
+
+    def _drains(self) -> list[Recommendation]:
+        out = []
+        down = sorted(self._down(), key=lambda h: h.verdict.gpu)
+        live = [g for g in self.gpus if g not in {h.verdict.gpu for h in down}]
+        if not live:
+            return []  # the pool's last GPU: draining it would drop all of its work
+        for h in down:
+            gpu = h.verdict.gpu
+            shares = {g: s for g, s in self._shares_now().items() if g != gpu}
+            shares[gpu] = 0.0
+            after = self.model.predict_rho(self.host, self.pool, shares)
+            what = "lost" if h.verdict.state == "unknown" else "its worker down"
+            out.append(
+                self._make(
+                    "drain",
+                    f"gpu:{gpu}",
+                    {"gpu": gpu},
+                    f"GPU {gpu} is {what}: take it out of rotation so that no request is sent "
+                    "to it and its share goes to the others",
+                    [h],
+                    after,
+                    receivers=shares,
+                )
+            )
+        return out
+
+    def _limited(self) -> set[int]:
+        """GPUs more work would not help: held back by their host, disk or memory, or down."""
+        out = {h.verdict.gpu for h in self._down()}
+        for g, h in self.held.items():
+            if h.verdict.cause in HELD_BACK or h.verdict.state == "unknown":
+                out.add(g)
+        return out
+
+    def _balance(self) -> Recommendation | None:
+        over = self._held_where("overloaded", MISROUTED | {"capacity_shortage"})
+        takers = self._held_where("starved", TAKES_WORK)
+        short = self._held_where("overloaded", {"capacity_shortage"})
+        fleet_short = self.fleet is not None and self.fleet.kind == "capacity_shortage"
+        if not over and not (takers and self._held_where("overloaded")):
+            return None
+        pool_rho = self.model.pool_rho(self.host, self.pool)
+        if pool_rho is None:
+            return None
+        # a starved GPU that could take work says the pool has room, whatever a ρ resting on
+        # capacity bounds adds up to
+        if (pool_rho >= 1.0 and not takers) or (fleet_short and short):
+            return self._scale_out(over or short, pool_rho)
+        hot = [h.verdict.gpu for h in over] or [
+            h.verdict.gpu for h in self._held_where("overloaded")
+        ]
+        if not self.measured & set(hot):
+            return None  # how much the hot GPUs serve is unmeasured: no weight would be fair
+        weights = self._capacity_weights()
+        if weights is None:
+            return None
+        after = self.model.predict_rho(self.host, self.pool, weights)
+        if after is None or not self.rho_now:
+            return None
+        gain = max(self.rho_now.values()) - max(after.values())
+        if gain < self.r.min_gain_rho:
+            return None
+        total = sum(weights.values())
+        normalised = {f"gpu:{g}": round(w / total, 4) for g, w in sorted(weights.items())}
+        return self._make(
+            "set_weights",
+            f"pool:{self.pool}",
+            {"weights": normalised},
+            f"{_gpus(hot)} {'gets' if len(hot) == 1 else 'get'} more work than "
+            f"{'its' if len(hot) == 1 else 'their'} capacity while the pool has room (pool ρ "
+            f"{pool_rho:.2f}): weight each GPU by its fitted capacity",
+            over + takers,
+            after,
+            receivers=weights,
+        )
+
+    def _capacity_weights(self, new: Mapping[int, float] | None = None) -> dict[int, float] | None:
+        """Shares of the pool's offered load: GPUs that cannot take more keep theirs (a down
+        one none), the rest, with ``new`` GPUs (index -> capacity), go by capacity; None when
+        a GPU's capacity is unknown."""
+        limited, down = self._limited(), {h.verdict.gpu for h in self._down()}
+        now = self._shares_now()
+        total = sum(now.values())
+        free = {g: c.capacity_per_second for g, c in self.gpus.items() if g not in limited}
+        free.update(new or {})
+        if total <= 0 or not free or not all(free.values()):
+            return None
+        weights = {g: 0.0 if g in down else now.get(g, 0.0) / total for g in limited}
+        rest = max(0.0, 1.0 - sum(weights.values()))
+        capacity = sum(c or 0.0 for c in free.values())
+        weights.update({g: rest * (c or 0.0) / capacity for g, c in free.items()})
+        return weights
+
+    def _scale_out(self, because: Sequence[_Held], pool_rho: float) -> Recommendation | None:
+        members = [c for c in self.gpus.values() if c.capacity_per_second]
+        if not members:
+            return None
+        # the new GPUs are like the pool's commonest card whose capacity is measured
+        basis = [c for c in members if c.measured] or members
+        cards = [c.card for c in basis]
+        card = max(set(cards), key=lambda x: (cards.count(x), x or ""))
+        each = statistics.median(c.capacity_per_second or 0.0 for c in basis if c.card == card)
+        capacity = sum(c.capacity_per_second or 0.0 for c in members)
+        needed = max(1, math.ceil(pool_rho * capacity / self.r.target_rho / each - len(members)))
+        # the new GPUs take the host's next indices
+        last = max(g.gpu for g in self.model.gpus_.values() if g.host == self.host)
+        new = {last + 1 + k: each for k in range(needed)}
+        shares = self._capacity_weights(new)
+        if shares is None:
+            return None
+        after = self.model.predict_rho(self.host, self.pool, shares, new)
+        if after is not None and not basis[0].measured:
+            after = {g: r for g, r in after.items() if g not in new}
+        return self._make(
+            "scale_out",
+            f"pool:{self.pool}",
+            {
+                "gpus": needed,
+                "card": card,
+                "weights": {f"gpu:{g}": round(s, 4) for g, s in sorted(shares.items())},
+            },
+            f"the pool is offered {pool_rho:.2f} of what its GPUs serve: no weighting can "
+            f"cure it; add {needed} GPU(s) like its {card or 'cards'} to bring it to about "
+            f"{self.r.target_rho:.2f}",
+            because,
+            after,
+            receivers=[g for g in shares if g in self.gpus],
+        )
+
+    def _scale_in(self) -> Recommendation | None:
+        if self.fleet is None or self.fleet.kind != "over_provisioning":
+            return None
+        idle = self._held_where("starved", {"low_demand"})
+        if len(idle) < len(self.gpus) or len(self.gpus) < 2:
+            return None
+        smallest = min(
+            (c for c in self.gpus.values() if c.capacity_per_second),
+            key=lambda c: (c.capacity_per_second, -c.gpu),
+            default=None,
+        )
+        if smallest is None:
+            return None
+        shares = {g: s for g, s in self._shares_now().items() if g != smallest.gpu}
+        if not any(shares.values()):
+            return None
+        shares[smallest.gpu] = 0.0
+        after = self.model.predict_rho(self.host, self.pool, shares)
+        if after is None or max(after.values()) >= self.r.target_rho:
+            return None
+        return self._make(
+            "remove_worker",
+            f"gpu:{smallest.gpu}",
+            {"gpu": smallest.gpu},
+            f"every GPU of the pool is starved for want of demand: GPU {smallest.gpu}'s "
+            f"worker can go and the others stay under ρ {self.r.target_rho:.2f}",
+            idle,
+            after,
+            receivers=shares,
+        )
+
+    def _host_limits(self) -> list[Recommendation]:
+        out = []
+        what = {
+            "host_bound": "its feeding process is pinned at its CPU threads: more threads or "
+            "cores for preprocessing, or less work per request on the host",
+            "io_bound": "the host waits on its disk: faster storage, caching of what each "
+            "request reads, or fewer readers",
+            "memory_pressure": "KV allocations fail: a smaller maximum batch, a larger KV "
+            "region, or shorter contexts",
+            "throttling": "its clock is held down: cooling, power limit or the board's "
+            "slowdown reason",
+        }
+        for h in self._held_where("overloaded") + self._held_where("starved"):
+            cause = h.verdict.cause
+            if cause not in what:
+                continue
+            out.append(
+                self._make(
+                    "investigate_host",
+                    f"gpu:{h.verdict.gpu}",
+                    {"gpu": h.verdict.gpu, "cause": cause},
+                    f"GPU {h.verdict.gpu} is {h.verdict.state} for a reason no routing change "
+                    f"cures: {what[cause]}",
+                    [h],
+                    None,
+                )
+            )
+        return out
+
+    def _batching(self) -> list[Recommendation]:
+        out = []
+        for h in self._held_where("starved", {"batch_delay"}):
+            gpu = h.verdict.gpu
+            # the capacity model's ρ is at full batches: a shorter wait changes how long the
+            # GPU idles for a batch to fill, not the work it is offered
+            after = dict(self.rho_now) if self.rho_now else None
+            out.append(
+                self._make(
+                    "tune_batching",
+                    f"gpu:{gpu}",
+                    {"gpu": gpu, "max_queue_delay_seconds": 0.0},
+                    f"GPU {gpu} idles while its requests wait for a batch to fill: run what is "
+                    "waiting as soon as the GPU is free (a shorter maximum queue delay)",
+                    [h],
+                    after,
+                )
+            )
+        return out
+
+    def _interference(self) -> list[Recommendation]:
+        mixed = self._held_where("overloaded", {"class_interference"})
+        if not mixed or len(self.gpus) < 2:
+            return []
+        pool_rho = self.model.pool_rho(self.host, self.pool)
+        if pool_rho is None:
+            return []
+        # which GPUs serve which class after the split is the executor's choice; the capacity
+        # model only knows the pool's total, so every GPU ends near the pool's ρ
+        after = {g: pool_rho for g in self.gpus}
+        ordered = sorted(self.gpus)
+        half = max(1, len(ordered) // 2)
+        return [
+            self._make(
+                "split_pools",
+                f"pool:{self.pool}",
+                {"batch_gpus": ordered[:half], "interactive_gpus": ordered[half:]},
+                f"interactive requests wait behind batch work in the queues of "
+                f"{_gpus(h.verdict.gpu for h in mixed)}: serve the batch class from its own "
+                "GPUs",
+                mixed,
+                after,
+                receivers=ordered,
+            )
+        ]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

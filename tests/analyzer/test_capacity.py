@@ -1,0 +1,237 @@
+"""The capacity model: service rate with a queue, own best otherwise, peers of the same card."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+
+import pytest
+
+from gpubalance.analyzer.capacity import CapacityModel, drain_seconds, idle_while_queued
+from gpubalance.analyzer.features import FeatureBuilder
+from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
+from gpubalance.lab import run as lab_run
+from gpubalance.lab import scenario
+from gpubalance.lab.fast import ORIGIN_SECONDS
+from gpubalance.telemetry import Sample
+
+WINDOW = 30.0
+RTX_4090 = "NVIDIA GeForce RTX 4090"
+
+
+def frame(gpu: int, window: int, **figures: object) -> GpuFrame:
+    """One GPU over one 30-s window: half busy, batches of 4, no queue, 5 completions/s."""
+    base: dict[str, object] = {
+        "host": "h",
+        "gpu": gpu,
+        "uuid": f"GPU-{gpu}",
+        "card": RTX_4090,
+        "t_start": window * WINDOW,
+        "t_end": (window + 1) * WINDOW,
+        "sample_count": 30,
+        "expected_sample_count": 30,
+        "lost": False,
+        "utilization_mean_ratio": 0.5,
+        "utilization_p95_ratio": 0.6,
+        "memory_used_bytes": 8 * 2**30,
+        "memory_total_bytes": 24 * 2**30,
+        "memory_used_slope_bytes_per_second": 0.0,
+        "sm_clock_ratio": 1.0,
+        "throttled_ratio": 0.0,
+        "throttle_reasons": frozenset(),
+        "power_ratio": 0.5,
+        "temperature_celsius": 50.0,
+        "serving_queues": 1,
+        "queue_depth_mean": 0.0,
+        "queue_depth_max": 1.0,
+        "queue_depth_slope_per_second": 0.0,
+        "running_mean": 4.0,
+        "batch_delay_seconds": 0.01,
+        "request_duration_seconds": 1.0,
+        "batch_size_mean": 4.0,
+        "completions_per_second": 5.0,
+        "allocation_failures": 0.0,
+        "service_classes": ("interactive",),
+        "queue_names": ("llama",),
+        "feeder_processes": 1,
+        "feeder_cpu_cores_max": 0.2,
+        "feeder_read_bytes_per_second": 0.0,
+        "host_cpu_busy_ratio": 0.2,
+        "host_cpu_pressure_ratio": 0.0,
+        "host_io_pressure_ratio": 0.0,
+        "host_iowait_ratio": 0.0,
+    }
+    base.update(figures)
+    return GpuFrame(**base)  # type: ignore[arg-type]
+
+
+def saturated(gpu: int, window: int, completions: float, **figures: object) -> GpuFrame:
+    """A window with a queue of several full batches behind a busy GPU."""
+    return frame(
+        gpu,
+        window,
+        utilization_mean_ratio=1.0,
+        batch_size_mean=8.0,
+        queue_depth_mean=40.0,
+        completions_per_second=completions,
+        **figures,
+    )
+
+
+def fit(frames: list[GpuFrame], **options: object) -> CapacityModel:
+    return CapacityModel(**options).fit(FeatureBuilder().transform(frames))  # type: ignore[arg-type]
+
+
+def test_capacity_is_the_service_rate_while_work_waits() -> None:
+    frames = [saturated(0, w, c) for w, c in enumerate([9.0, 10.0, 11.0, 10.5])]
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert gpu.source == "saturated" and gpu.saturated_windows == 4
+    assert gpu.capacity_per_second == pytest.approx(10.25)
+
+
+def test_offered_load_adds_the_queue_growth_and_failed_allocations() -> None:
+    # 10 completions/s, the queue growing 2 per second, 30 failed allocations per window
+    frames = [
+        saturated(0, w, 10.0, queue_depth_slope_per_second=2.0, allocation_failures=30.0)
+        for w in range(4)
+    ]
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert gpu.offered_per_second == pytest.approx(13.0)
+    assert gpu.rho == pytest.approx(1.3)
+
+
+def test_offered_load_is_the_mean_of_the_recent_windows() -> None:
+    rates = [1.0, 1.0, 1.0, 2.0, 4.0]
+    frames = [frame(0, w, completions_per_second=c) for w, c in enumerate(rates)]
+    assert fit(frames, recent_windows=2).gpus_[("h", "GPU-0")].offered_per_second == 3.0
+
+
+def test_a_gpu_without_a_queue_takes_the_capacity_of_its_same_card_peer() -> None:
+    frames = []
+    for w in range(4):
+        frames += [saturated(0, w, 10.0), frame(1, w, completions_per_second=1.0)]
+    gpu = fit(frames).gpus_[("h", "GPU-1")]
+    assert (gpu.source, gpu.capacity_per_second) == ("peers", 10.0)
+    assert gpu.rho == pytest.approx(0.1)
+
+
+def test_a_few_saturated_windows_are_shrunk_toward_the_peers() -> None:
+    frames = [saturated(0, w, 10.0) for w in range(6)]
+    frames += [frame(1, w, completions_per_second=1.0) for w in range(5)]
+    frames.append(saturated(1, 5, 16.0))
+    gpu = fit(frames, prior_windows=2.0).gpus_[("h", "GPU-1")]
+    # one window of its own at 16 against two windows' worth of its peer's 10
+    assert gpu.source == "shrunk"
+    assert gpu.capacity_per_second == pytest.approx((16.0 + 2 * 10.0) / 3)
+
+
+def test_a_throttled_card_is_measured_at_its_clock_not_by_its_peers() -> None:
+    slowed = {"throttled_ratio": 1.0, "throttle_reasons": frozenset({"sw_thermal_slowdown"})}
+    frames = [saturated(0, w, 10.0) for w in range(4)]
+    frames += [saturated(1, w, 10.0) for w in range(2)]
+    frames += [saturated(1, w, 4.0, **slowed) for w in range(2, 4)]
+    model = fit(frames)
+    gpu = model.gpus_[("h", "GPU-1")]
+    # its two windows at the throttled clock, not shrunk toward GPU 0's full clock
+    assert (gpu.source, gpu.capacity_per_second) == ("saturated", 4.0)
+    # and its full-clock windows still speak for the card
+    assert model.gpus_[("h", "GPU-0")].capacity_per_second == 10.0
+
+
+def test_another_card_is_not_a_peer_and_falls_back_to_its_busy_rate() -> None:
+    frames = []
+    for w in range(4):
+        frames.append(saturated(0, w, 10.0))
+        frames.append(frame(1, w, card="NVIDIA GeForce RTX 3090", completions_per_second=2.0 + w))
+    gpu = fit(frames).gpus_[("h", "GPU-1")]
+    # its best completions per busy second: 5/s at utilization 0.5
+    assert (gpu.source, gpu.capacity_per_second) == ("busy_rate", 10.0)
+
+
+def test_no_completions_leave_capacity_and_rho_unknown() -> None:
+    frames = [frame(0, w, completions_per_second=None) for w in range(3)]
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert (gpu.capacity_per_second, gpu.offered_per_second, gpu.rho) == (None, None, None)
+    assert gpu.source == "none" and gpu.confidence == 0.0
+
+
+def test_a_damaged_figure_is_unknown_not_a_capacity() -> None:
+    nan = float("nan")
+    frames = [saturated(0, w, 10.0) for w in range(3)]
+    frames.append(saturated(0, 3, nan, queue_depth_slope_per_second=float("inf")))
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert gpu.capacity_per_second == 10.0 and gpu.saturated_windows == 3
+    assert gpu.offered_per_second == 10.0  # the damaged window counts for nothing
+
+
+def test_a_lost_gpu_is_offered_nothing_and_keeps_its_pool() -> None:
+    frames = [saturated(0, w, 10.0) for w in range(3)]
+    frames.append(frame(0, 3, lost=True, sample_count=0, serving_queues=0, queue_names=()))
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert gpu.offered_per_second == 0.0 and gpu.pool == "llama"
+
+
+def test_predicted_rho_follows_the_shares() -> None:
+    frames = []
+    for w in range(4):
+        frames += [saturated(0, w, 10.0), saturated(1, w, 10.0), frame(2, w)]
+    model = fit(frames)
+    offered = sum(g.offered_per_second or 0 for g in model.pool("h", "llama"))
+    assert offered == pytest.approx(25.0)
+    after = model.predict_rho("h", "llama", {0: 1, 1: 1, 2: 2})
+    assert after == pytest.approx({0: 0.625, 1: 0.625, 2: 1.25})
+    # a GPU the pool does not have yet, with the capacity it would bring
+    assert model.predict_rho("h", "llama", {0: 1, 3: 1}, {3: 12.5}) == pytest.approx(
+        {0: 1.25, 3: 1.0}
+    )
+    assert model.pool_rho("h", "llama") == pytest.approx(25.0 / 30.0)
+
+
+def test_a_share_on_an_unknown_capacity_gives_no_prediction() -> None:
+    frames = [frame(0, w, completions_per_second=None) for w in range(2)]
+    frames += [saturated(1, w, 10.0) for w in range(2)]
+    model = fit(frames)
+    assert model.predict_rho("h", "llama", {0: 1, 1: 1}) is None
+
+
+def test_idle_while_queued_counts_unused_capacity_beside_a_queue() -> None:
+    assert idle_while_queued({0: 1.5, 1: 0.25, 2: 0.5}) == pytest.approx((0 + 0.75 + 0.5) / 3)
+    assert idle_while_queued({0: 0.9, 1: 0.2}) == 0.0  # nothing queues
+    assert idle_while_queued({}) is None
+    # a backlog that takes half the horizon to drain idles its peers half the time
+    iwq = idle_while_queued({0: 0.5, 1: 0.5}, {0: 60.0, 1: 0.0}, 120.0)
+    assert iwq == pytest.approx((0 + 0.5 * 0.5) / 2)
+
+
+def test_a_backlog_drains_on_the_capacity_left_beside_the_new_work() -> None:
+    frames = [saturated(0, w, 10.0) for w in range(3)] + [frame(1, w) for w in range(3)]
+    gpus = {g.gpu: g for g in fit(frames).pool("h", "llama")}
+    # 40 queued at GPU 0 with 10/s capacity, 2/s of it left at ρ 0.8; GPU 1 has no queue
+    drain = drain_seconds(gpus, {0: 0.8, 1: 0.5})
+    assert drain[0] == pytest.approx(20.0) and drain[1] == 0.0
+    assert drain_seconds(gpus, {0: 1.2})[0] == float("inf")
+
+
+# against the lab's ground truth
+
+
+def test_rho_matches_the_ground_truth_where_a_peer_of_the_same_card_queues(
+    tmp_path: Path,
+) -> None:
+    # default-target: GPU 0 takes 10 of every 13 requests of four 4090s and drowns; its idle
+    # peers are the same card, so their capacity is measured on it
+    samples: list[Sample] = []
+    lab_run.run(scenario.load("default-target"), "fast", 210, 1, tmp_path, on_sample=samples.append)
+    frames = frames_from_samples(
+        samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    model = CapacityModel().fit(FeatureBuilder().transform(frames))
+    with (tmp_path / "truth_evidence.csv").open() as f:
+        truth = [r for r in csv.DictReader(f) if 90 <= float(r["t_start"]) < 210]
+    fitted = model.rho("default-target", "qwen2.5-7b")
+    sources = {g.gpu: g.source for g in model.pool("default-target", "qwen2.5-7b")}
+    assert sources == {0: "saturated", 1: "peers", 2: "peers", 3: "peers"}
+    for gpu in range(4):
+        realised = statistics.fmean(float(r["rho"]) for r in truth if int(r["gpu"]) == gpu)
+        assert fitted[gpu] == pytest.approx(realised, rel=0.15), gpu

@@ -1,0 +1,267 @@
+"""Recommendations: typed actions on persisted verdicts, cheapest first, with what they do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubalance.analyzer.baselines import QueueUtilization
+from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
+from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
+from gpubalance.analyzer.recommend import Recommender
+from gpubalance.analyzer.verdict import Verdicts
+from gpubalance.diagnosis import Recommendation
+from gpubalance.lab import run as lab_run
+from gpubalance.lab import scenario
+from gpubalance.lab.fast import ORIGIN_SECONDS
+from gpubalance.telemetry import Sample
+
+WINDOW = 30.0
+
+
+def _lab(name: str, seconds: float, out: Path) -> list[Sample]:
+    samples: list[Sample] = []
+    lab_run.run(scenario.load(name), "fast", seconds, 1, out, on_sample=samples.append)
+    return samples
+
+
+def _recommend(
+    samples: list[Sample], until: float, recommender: Recommender | None = None
+) -> tuple[Recommendation, ...]:
+    kept = [s for s in samples if s.timestamp_seconds - ORIGIN_SECONDS <= until]
+    frames = frames_from_samples(
+        kept, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    table = FeatureBuilder().transform(frames)
+    diagnosis = Verdicts(QueueUtilization().fit(table)).diagnose(table)
+    return (recommender or Recommender()).recommend(diagnosis, table, ORIGIN_SECONDS + until)
+
+
+def _actions(found: tuple[Recommendation, ...]) -> list[tuple[str, str]]:
+    return [(r.action, r.target) for r in found]
+
+
+@pytest.fixture(scope="module")
+def default_target(tmp_path_factory: pytest.TempPathFactory) -> list[Sample]:
+    return _lab("default-target", 210, tmp_path_factory.mktemp("default-target"))
+
+
+def test_a_balanced_pool_gets_nothing(tmp_path: Path) -> None:
+    assert _recommend(_lab("balanced-4x4090", 240, tmp_path), 240) == ()
+
+
+def test_a_default_target_is_reweighted_by_capacity(default_target: list[Sample]) -> None:
+    found = _recommend(default_target, 210)
+    assert _actions(found) == [("set_weights", "pool:qwen2.5-7b")]
+    weights = found[0]
+    assert weights.cost_rank == 0
+    # four identical cards: equal weights, and every GPU at the pool's ρ after
+    assert weights.parameters["weights"] == pytest.approx(
+        {f"gpu:{g}": 0.25 for g in range(4)}, abs=0.01
+    )
+    expected = weights.expected
+    assert expected is not None
+    assert (
+        expected.rho_before[0] > 1.2 and max(expected.rho_before.values()) == expected.rho_before[0]
+    )
+    after = list(expected.rho_after.values())
+    assert max(after) - min(after) < 0.01 and 0.35 < after[0] < 0.6
+    assert expected.capacity_source == {0: "saturated", 1: "peers", 2: "peers", 3: "peers"}
+    # GPU 0's backlog drains first, then nothing idles beside a queue
+    before, after_iwq = expected.idle_while_queued_before, expected.idle_while_queued_after
+    assert before is not None and after_iwq is not None and 0 < after_iwq < before
+    assert any(e.startswith("GPU 0 overloaded/routing_skew since") for e in weights.evidence)
+    assert "GPU 0 gets more work than its capacity" in weights.reason
+
+
+def test_the_same_situation_keeps_its_id(default_target: list[Sample]) -> None:
+    earlier, later = _recommend(default_target, 180), _recommend(default_target, 210)
+    assert [r.id for r in earlier] == [r.id for r in later]
+    assert earlier[0].created_seconds == later[0].created_seconds < ORIGIN_SECONDS + 180
+    assert later[0].expires_seconds == ORIGIN_SECONDS + 210 + Recommender().ttl_seconds
+
+
+def test_one_window_is_not_acted_on(default_target: list[Sample]) -> None:
+    assert _recommend(default_target, 30) == ()  # one window: held, not yet persisted
+    assert _actions(_recommend(default_target, 60)) == [("set_weights", "pool:qwen2.5-7b")]
+    assert _recommend(default_target, 60, Recommender(persistence_windows=3)) == ()
+
+
+def test_a_shortage_is_scaled_out_not_reweighted(tmp_path: Path) -> None:
+    found = _recommend(_lab("capacity-shortage", 330, tmp_path), 330)
+    assert [r.action for r in found] == ["scale_out"]
+    scale = found[0]
+    assert scale.parameters["card"] == "NVIDIA GeForce RTX 4090"
+    count = scale.parameters["gpus"]
+    assert isinstance(count, int) and count >= 1
+    assert scale.expected is not None
+    assert min(scale.expected.rho_before.values()) >= 1.0
+    # the new GPUs take the host's next indices, and the pool lands near the target
+    assert set(scale.expected.rho_after) == set(range(4 + count))
+    assert max(scale.expected.rho_after.values()) <= Recommender().target_rho + 0.05
+
+
+def test_a_lost_gpu_is_drained(tmp_path: Path) -> None:
+    found = _recommend(_lab("gpu-lost", 270, tmp_path), 270)
+    assert _actions(found) == [("drain", "gpu:2")]
+    assert "GPU 2 is lost" in found[0].reason
+
+
+def test_a_throttled_card_is_weighted_down_and_its_host_looked_at(tmp_path: Path) -> None:
+    found = _recommend(_lab("thermal-throttle", 270, tmp_path), 270)
+    assert _actions(found) == [("set_weights", "pool:llama-3.1-8b"), ("investigate_host", "gpu:1")]
+    weights = found[0].parameters["weights"]
+    assert isinstance(weights, dict)
+    assert weights["gpu:1"] == min(weights.values())
+    assert found[1].parameters["cause"] == "throttling" and found[1].expected is None
+
+
+# rules on hand-made windows
+
+
+def _frame(gpu: int, window: int, **figures: object) -> GpuFrame:
+    """One RTX 4090 over one window: half busy, batches of 4, no queue, 5 completions/s."""
+    base: dict[str, object] = dict(
+        host="h",
+        gpu=gpu,
+        uuid=f"GPU-{gpu}",
+        card="NVIDIA GeForce RTX 4090",
+        t_start=window * WINDOW,
+        t_end=(window + 1) * WINDOW,
+        sample_count=30,
+        expected_sample_count=30,
+        lost=False,
+        utilization_mean_ratio=0.5,
+        utilization_p95_ratio=0.6,
+        memory_used_bytes=8 * 2**30,
+        memory_total_bytes=24 * 2**30,
+        memory_used_slope_bytes_per_second=0.0,
+        sm_clock_ratio=1.0,
+        throttled_ratio=0.0,
+        throttle_reasons=frozenset(),
+        power_ratio=0.5,
+        temperature_celsius=50.0,
+        serving_queues=1,
+        queue_depth_mean=0.0,
+        queue_depth_max=1.0,
+        queue_depth_slope_per_second=0.0,
+        running_mean=4.0,
+        batch_delay_seconds=0.01,
+        request_duration_seconds=1.0,
+        batch_size_mean=4.0,
+        completions_per_second=5.0,
+        allocation_failures=0.0,
+        service_classes=("interactive",),
+        queue_names=("llama",),
+        feeder_processes=1,
+        feeder_cpu_cores_max=0.2,
+        feeder_read_bytes_per_second=0.0,
+        host_cpu_busy_ratio=0.2,
+        host_cpu_pressure_ratio=0.0,
+        host_io_pressure_ratio=0.0,
+        host_iowait_ratio=0.0,
+    )
+    base.update(figures)
+    return GpuFrame(**base)  # type: ignore[arg-type]
+
+
+class _Labels:
+    """A classifier that gives each GPU a fixed label (a learned model could)."""
+
+    def __init__(self, labels: dict[int, str]) -> None:
+        self.labels = labels
+        self.classes_ = np.array(sorted(set(labels.values())))
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        out = np.zeros((len(table.frames), len(self.classes_)))
+        for i, frame in enumerate(table.frames):
+            out[i, list(self.classes_).index(self.labels[frame.gpu])] = 1.0
+        return out
+
+
+def _by_labels(frames: list[GpuFrame], labels: dict[int, str]) -> tuple[Recommendation, ...]:
+    table = FeatureBuilder().transform(frames)
+    diagnosis = Verdicts(_Labels(labels)).diagnose(table)
+    return Recommender().recommend(diagnosis, table, frames[-1].t_end)
+
+
+def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
+    frames = []
+    for w in range(4):
+        frames += [
+            _frame(
+                0,
+                w,
+                utilization_mean_ratio=1.0,
+                queue_depth_mean=40.0,
+                batch_size_mean=8.0,
+                completions_per_second=10.0,
+                queue_depth_slope_per_second=0.5,
+            ),
+            _frame(1, w, completions_per_second=1.0, feeder_cpu_cores_max=1.0),
+            _frame(2, w, completions_per_second=1.0),
+        ]
+    found = _by_labels(
+        frames, {0: "overloaded/routing_skew", 1: "starved/host_bound", 2: "starved/routing_skew"}
+    )
+    assert _actions(found) == [("set_weights", "pool:llama"), ("investigate_host", "gpu:1")]
+    weights = found[0].parameters["weights"]
+    assert isinstance(weights, dict)
+    # GPU 1 keeps its share of the pool's offered load (1 of 12.5/s), the rest by capacity
+    assert weights["gpu:1"] == pytest.approx(1.0 / 12.5, abs=0.01)
+    assert weights["gpu:0"] == pytest.approx(weights["gpu:2"])
+    assert "feeding process" in found[1].reason or "CPU" in found[1].reason
+
+
+def test_no_weights_rest_on_an_unmeasured_capacity() -> None:
+    # GPU 0 busy all the time with nothing queued: what it could serve is not measured
+    frames = [
+        _frame(
+            g,
+            w,
+            utilization_mean_ratio=1.0 if g == 0 else 0.1,
+            completions_per_second=8.0 if g == 0 else 1.0,
+        )
+        for w in range(3)
+        for g in range(2)
+    ]
+    assert _by_labels(frames, {0: "overloaded/routing_skew", 1: "starved/routing_skew"}) == ()
+
+
+def test_a_slow_batcher_is_told_to_stop_waiting() -> None:
+    frames = [_frame(0, w, batch_delay_seconds=1.5) for w in range(3)]
+    found = _by_labels(frames, {0: "starved/batch_delay"})
+    assert _actions(found) == [("tune_batching", "gpu:0")]
+    assert found[0].parameters["max_queue_delay_seconds"] == 0.0
+
+
+def test_interactive_behind_batch_work_is_split_out() -> None:
+    frames = [
+        _frame(
+            g,
+            w,
+            utilization_mean_ratio=1.0,
+            queue_depth_mean=40.0,
+            batch_size_mean=8.0,
+            completions_per_second=4.0,
+            service_classes=("batch", "interactive"),
+        )
+        for w in range(3)
+        for g in range(4)
+    ]
+    found = _by_labels(frames, dict.fromkeys(range(4), "overloaded/class_interference"))
+    assert "split_pools" in [r.action for r in found]
+    split = next(r for r in found if r.action == "split_pools")
+    assert split.parameters["batch_gpus"] == [0, 1]
+    assert split.parameters["interactive_gpus"] == [2, 3]
+
+
+def test_bad_settings_are_named() -> None:
+    table = FeatureBuilder().transform([_frame(0, 0)])
+    diagnosis = Verdicts(QueueUtilization().fit(table)).diagnose(table)
+    with pytest.raises(ValueError, match="persistence_windows"):
+        Recommender(persistence_windows=0).recommend(diagnosis, table, 30.0)
+    with pytest.raises(ValueError, match="target_rho"):
+        Recommender(target_rho=1.5).recommend(diagnosis, table, 30.0)
