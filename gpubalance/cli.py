@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "top": ("gpubalance.exporter.top", "live terminal view of an exporter's GPUs"),
     "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
+    "analyzer": ("gpubalance.analyzer.training_cli", "train, evaluate and check the model"),
 }
 
 

@@ -1,0 +1,253 @@
+"""Train the analyzer's model, evaluate it, check it on real telemetry.
+
+`gpubalance analyzer train` draws variants of the lab's scenario families, runs them at the
+fast speed, scores the model with each family held out in turn, fits it on every run and saves
+it (skops) with its report beside it (FILE.report.json). The same seed gives the same model.
+
+`gpubalance analyzer evaluate` (what `make eval` runs) writes analyzer/EVALUATION.md and its
+plots: held-out verdict scores, detection delay, false alarms, the baselines beside ours.
+
+`gpubalance analyzer check-gentd DIR` judges the pods of the Alibaba GenTD26 telemetry (the
+folder of its archives, never copied into the repository) and compares the verdicts with the
+pods' own request counts and queue times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+DEFAULT_COUNT = 3
+DEFAULT_REPORT = Path("analyzer") / "EVALUATION.md"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _families(text: str) -> list[str]:
+    from gpubalance.analyzer.evaluate import family_list
+
+    try:
+        return family_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _data_options(parser: argparse.ArgumentParser, count: int) -> None:
+    parser.add_argument(
+        "--families",
+        type=_families,
+        default="all",
+        metavar="all|F,...",
+        help="scenario families to draw (lab/scenarios/README.md, 'Generated families')",
+    )
+    parser.add_argument(
+        "--count", type=_positive_int, default=count, metavar="N", help="variants per family"
+    )
+    parser.add_argument("--seed", type=_seed, default=1, metavar="S", help="generator seed")
+    parser.add_argument(
+        "--duration",
+        type=_seconds,
+        metavar="SECONDS",
+        help="every variant's duration (default: as drawn, 300-900 s)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="processes running scenarios (and, for evaluate, fitting folds)",
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="analyzer_command", metavar="COMMAND", required=True)
+    add_commands(sub)
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The train, evaluate and check-gentd subcommands of `gpubalance analyzer`."""
+    train = sub.add_parser(
+        "train",
+        help="train the model on generated lab runs; save it with its report",
+        description="Draw COUNT variants of each family, run them at the fast speed, score "
+        "the model with each family held out in turn, fit it on every run and save it with "
+        "skops; its report (data, parameters, versions, commit, held-out scores, confusion "
+        "matrix) goes beside it as FILE.report.json. The same seed gives the same model.",
+    )
+    _data_options(train, DEFAULT_COUNT)
+    train.add_argument("--out", type=Path, default=Path("model.skops"), metavar="FILE.skops")
+    train.set_defaults(_analyzer_run=_train)
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="write analyzer/EVALUATION.md: held-out verdict scores beside the baselines",
+        description="Run generated variants of every family and the shipped scenarios at the "
+        "fast speed; judge each held-out family with the model fitted on the others, through "
+        "the verdict step; write the report and its plots (`make eval`).",
+    )
+    _data_options(evaluate, DEFAULT_COUNT)
+    evaluate.add_argument("--out", type=Path, default=DEFAULT_REPORT, metavar="FILE.md")
+    evaluate.add_argument(
+        "--model-out",
+        type=Path,
+        metavar="FILE.skops",
+        help="also save the model fitted on every generated run (check-gentd can use it)",
+    )
+    evaluate.add_argument(
+        "--no-shipped", action="store_true", help="leave the shipped scenarios out"
+    )
+    evaluate.add_argument(
+        "--no-recommendations",
+        action="store_true",
+        help="leave the recommendation prediction error out",
+    )
+    evaluate.set_defaults(_analyzer_run=_evaluate)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._analyzer_run(args))
+
+
+Advance = Callable[[int], None]
+
+
+@contextlib.contextmanager
+def _stages() -> Iterator[Callable[[str, int], Advance] | None]:
+    """A bar per stage of long work on a terminal; nothing in pipes and CI."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as bar:
+
+        def stage(what: str, total: int) -> Advance:
+            task = bar.add_task(what, total=total)
+            return lambda n: bar.advance(task, n)
+
+        yield stage
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "families_drawn": args.families,
+        "variants_per_family": args.count,
+        "generator_seed": args.seed,
+        "duration_seconds": args.duration,
+    }
+
+
+def _train(args: argparse.Namespace) -> int:
+    from gpubalance.analyzer import evaluate, model
+
+    if args.out.exists() and args.out.is_dir():
+        print(f"gpubalance analyzer train: --out {args.out} is a directory", file=sys.stderr)
+        return 2
+    examples = evaluate.generated_examples(args.families, args.count, args.seed, args.duration)
+    with _stages() as stage:
+        classifier, report = evaluate.train_model(
+            examples, seed=args.seed, settings=_settings(args), workers=args.jobs, stage=stage
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out, classifier, report)
+    held = report["held_out"]
+    cause = held["cause_accuracy"]
+    print(
+        f"{report['data']['windows']} GPU-windows of {report['data']['runs']} runs; held out "
+        f"by family: state macro-F1 {held['state_macro_f1']:.2f}, cause accuracy "
+        f"{'-' if cause is None else f'{cause:.2f}'} -> {args.out} "
+        f"(report {args.out.with_suffix('.report.json')})"
+    )
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from gpubalance.analyzer import evaluate
+
+    with _stages() as stage:
+        result = evaluate.evaluate(
+            args.families,
+            args.count,
+            args.seed,
+            duration_seconds=args.duration,
+            shipped=not args.no_shipped,
+            recommendations=not args.no_recommendations,
+            jobs=args.jobs,
+            stage=stage,
+        )
+    evaluate.write_report(result, args.out, _command(args))
+    if args.model_out is not None and result.model is not None:
+        from gpubalance.analyzer import model
+
+        args.model_out.parent.mkdir(parents=True, exist_ok=True)
+        model.save(args.model_out, result.model, {"data": dict(result.data)})
+    ours = evaluate.summary(result.generated, evaluate.OURS)
+    print(
+        f"held out: state macro-F1 {ours['state_macro_f1']:.2f}, cause accuracy "
+        f"{_f(ours['cause_accuracy'])}, median delay {_f(ours['median_delay_windows'])} "
+        f"windows, false alarms {_f(ours['false_alarms_per_gpu_day'])} per GPU-day -> {args.out}"
+    )
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this evaluation."""
+    from gpubalance.lab.generate import family_names
+
+    words = ["gpubalance", "analyzer", "evaluate", "--count", str(args.count)]
+    words += ["--seed", str(args.seed)]
+    if args.families != family_names("all"):
+        words += ["--families", ",".join(args.families)]
+    if args.duration is not None:
+        words += ["--duration", f"{args.duration:g}"]
+    words += ["--jobs", str(args.jobs)]
+    return shlex.join(words)
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
