@@ -75,7 +75,8 @@ eval: venv
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m gpubalance analyzer evaluate --count $(EVAL_COUNT) --model-out build/eval/model.skops
 	@if [ -n "$(GENTD)" ]; then \
-	  $(PY) -m gpubalance analyzer check-gentd "$(GENTD)" --model build/eval/model.skops; \
+	  $(PY) -m gpubalance analyzer check-gentd "$(GENTD)" --model build/eval/model.skops \
+	    --report analyzer/EVALUATION.md; \
 	fi
 
 clean:

@@ -134,6 +134,37 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="leave the recommendation prediction error out",
     )
     evaluate.set_defaults(_analyzer_run=_evaluate)
+    gentd = sub.add_parser(
+        "check-gentd",
+        help="judge the pods of the Alibaba GenTD26 telemetry; check against their requests",
+        description="Judge every pod of the Alibaba GenTD26 trace from its GPU utilisation "
+        "and memory, and compare the verdicts with the pods' own request counts and queueing "
+        "times (which the analyzer does not read). Prints aggregate figures; --report writes "
+        "them into a report's GenTD26 section. The trace is read where it lies.",
+    )
+    gentd.add_argument(
+        "folder",
+        type=Path,
+        metavar="DIR",
+        help="the folder of GenTD26's archives (pod_gpu_duty_cycle_anon.tar.gz, ...) or CSVs",
+    )
+    gentd.add_argument(
+        "--model",
+        type=Path,
+        metavar="FILE.skops",
+        help="a trained model (`gpubalance analyzer train`) judged beside the rule baselines",
+    )
+    gentd.add_argument(
+        "--window",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="analysis window (default five of the trace's 57-s samples: 285 s)",
+    )
+    gentd.add_argument(
+        "--report", type=Path, metavar="FILE.md", help="write the figures into this report"
+    )
+    gentd.set_defaults(_analyzer_run=_check_gentd)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,6 +263,37 @@ def _evaluate(args: argparse.Namespace) -> int:
         f"{_f(ours['cause_accuracy'])}, median delay {_f(ours['median_delay_windows'])} "
         f"windows, false alarms {_f(ours['false_alarms_per_gpu_day'])} per GPU-day -> {args.out}"
     )
+    return 0
+
+
+def _check_gentd(args: argparse.Namespace) -> int:
+    from gpubalance.analyzer import evaluate, gentd, model
+    from gpubalance.analyzer.baselines import QueueUtilization, UtilizationThreshold
+    from gpubalance.analyzer.features import FeatureBuilder
+    from gpubalance.analyzer.verdict import Classifier
+
+    classifiers: dict[str, Classifier] = {}
+    window = gentd.WINDOW_SECONDS if args.window is None else args.window
+    try:
+        if args.model is not None:
+            classifiers[evaluate.OURS] = model.load(args.model)
+        trace = gentd.read(args.folder, window)
+    except (model.ModelError, gentd.GentdError, OSError) as exc:
+        print(f"gpubalance analyzer check-gentd: {exc}", file=sys.stderr)
+        return 2
+    nothing = FeatureBuilder().transform([])  # the rules learn nothing; fit only checks
+    classifiers[evaluate.QUEUE] = QueueUtilization().fit(nothing)
+    classifiers[evaluate.THRESHOLD] = UtilizationThreshold().fit(nothing)
+    figures = gentd.check(trace, classifiers)
+    words = ["gpubalance", "analyzer", "check-gentd", "GENTD_DIR"]
+    if args.model is not None:
+        words += ["--model", str(args.model)]
+    if args.window is not None:
+        words += ["--window", f"{args.window:g}"]
+    text = gentd.report_markdown(figures, shlex.join(words).replace("'GENTD_DIR'", "GENTD_DIR"))
+    if args.report is not None:
+        evaluate.replace_section(args.report, evaluate.GENTD_KEY, text, evaluate.REPORT_HEADER)
+    sys.stdout.write(text)
     return 0
 
 
