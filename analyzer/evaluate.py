@@ -31,9 +31,10 @@ from __future__ import annotations
 import functools
 import math
 import re
+import resource
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,7 @@ class Evaluation:
     shipped: tuple[RunVerdicts, ...]  # judged by the model fitted on every generated run
     recommendations: Mapping[str, Any]  # figures, or {"unavailable": why}
     wall_seconds: float
+    cpu_seconds: float  # this process and its workers: on a shared machine, the fairer figure
     versions: Mapping[str, str] = field(default_factory=dict)
     commit: str | None = None
     model: GpuStateClassifier | None = None  # fitted on every generated run
@@ -218,7 +220,7 @@ def evaluate(
     make: Callable[[], GpuStateClassifier] | None = None,
 ) -> Evaluation:
     """Run, fit and judge everything the report shows (see the module's docstring)."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     make = make or functools.partial(GpuStateClassifier, random_state=seed)
     examples = generated_examples(families, count, seed, duration_seconds)
     dataset = train.build_dataset(
@@ -228,14 +230,14 @@ def evaluate(
     models = _fit_folds(dataset, held, make, jobs, _stage(stage, "held-out folds", len(held) + 1))
     final = models.pop(None)
     generated = []
-    by_family = _by(examples, lambda e: e.name)
+    by_name = {example.name: example for example in examples}
     groups = np.asarray(dataset.groups)
     advance = _stage(stage, "verdicts", len(set(dataset.runs)))
     for family in held:
         rows = dataset.subset(groups == family)
         for run in sorted(set(rows.runs)):
             part = rows.subset(np.asarray(rows.runs) == run)
-            generated.append(_judge(by_family[run], part, models[family]))
+            generated.append(_judge(by_name[run], part, models[family]))
             if advance is not None:
                 advance(1)
     shipped_runs: list[RunVerdicts] = []
@@ -271,18 +273,20 @@ def evaluate(
         shipped=tuple(shipped_runs),
         recommendations=recommended,
         wall_seconds=time.perf_counter() - started,
+        cpu_seconds=_cpu_seconds() - cpu_started,
         versions=train.versions(),
         commit=train.commit(),
         model=final,
     )
 
 
+def _cpu_seconds() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def _stage(stage: Stage | None, what: str, total: int) -> Callable[[int], None] | None:
     return stage(what, total) if stage is not None else None
-
-
-def _by(items: Iterable[Example], key: Callable[[Example], str]) -> dict[str, Example]:
-    return {key(item): item for item in items}
 
 
 def _fit_one(
@@ -570,7 +574,8 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
     lines = [
         f"Written by `{command}` (gpubalance {evaluation.versions.get('gpubalance', '?')}, "
         f"commit {(evaluation.commit or 'unknown')[:7]}) in {evaluation.wall_seconds / 60:.1f} "
-        f"min with {s['jobs']} job(s): {len(s['families'])} families x {s['count']} variant(s), "
+        f"min with {s['jobs']} job(s), {evaluation.cpu_seconds / 60:.1f} CPU-minutes: "
+        f"{len(s['families'])} families x {s['count']} variant(s), "
         f"seed {s['seed']}, "
         + (
             f"{s['duration_seconds']:g} s each"
@@ -626,7 +631,8 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
                 ),
             ]
         )
-        + f". False alarms over {ours['balanced_gpu_days']:.2f} balanced GPU-days of the "
+        + f". False alarms over {ours['balanced_gpu_days'] * 24:.1f} GPU-hours of balanced "
+        "truth in the "
         f"balanced runs ({', '.join(sorted(BALANCED_RUNS))}); delays over {ours['events']} "
         f"truth changes within {EVENT_REACH_WINDOWS} windows of an injected event.",
         "",
