@@ -220,10 +220,14 @@ def _train(args: argparse.Namespace) -> int:
         print(f"gpubalance analyzer train: --out {args.out} is a directory", file=sys.stderr)
         return 2
     examples = evaluate.generated_examples(args.families, args.count, args.seed, args.duration)
-    with _stages() as stage:
-        classifier, report = evaluate.train_model(
-            examples, seed=args.seed, settings=_settings(args), workers=args.jobs, stage=stage
-        )
+    try:
+        with _stages() as stage:
+            classifier, report = evaluate.train_model(
+                examples, seed=args.seed, settings=_settings(args), workers=args.jobs, stage=stage
+            )
+    except ValueError as exc:
+        print(f"gpubalance analyzer train: {_too_little(exc)}", file=sys.stderr)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out, classifier, report)
     held = report["held_out"]
@@ -240,17 +244,21 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from gpubalance.analyzer import evaluate
 
-    with _stages() as stage:
-        result = evaluate.evaluate(
-            args.families,
-            args.count,
-            args.seed,
-            duration_seconds=args.duration,
-            shipped=not args.no_shipped,
-            recommendations=not args.no_recommendations,
-            jobs=args.jobs,
-            stage=stage,
-        )
+    try:
+        with _stages() as stage:
+            result = evaluate.evaluate(
+                args.families,
+                args.count,
+                args.seed,
+                duration_seconds=args.duration,
+                shipped=not args.no_shipped,
+                recommendations=not args.no_recommendations,
+                jobs=args.jobs,
+                stage=stage,
+            )
+    except ValueError as exc:
+        print(f"gpubalance analyzer evaluate: {_too_little(exc)}", file=sys.stderr)
+        return 1
     evaluate.write_report(result, args.out, _command(args))
     if args.model_out is not None and result.model is not None:
         from gpubalance.analyzer import model
@@ -295,6 +303,14 @@ def _check_gentd(args: argparse.Namespace) -> int:
         evaluate.replace_section(args.report, evaluate.GENTD_KEY, text, evaluate.REPORT_HEADER)
     sys.stdout.write(text)
     return 0
+
+
+def _too_little(exc: ValueError) -> str:
+    # the trees refuse a fold of a handful of windows with a message about array shapes
+    return (
+        f"the model could not be fitted ({exc}); a fold may hold too few GPU-windows: "
+        "raise --count or --duration"
+    )
 
 
 def _command(args: argparse.Namespace) -> str:

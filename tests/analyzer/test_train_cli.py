@@ -67,3 +67,13 @@ def test_bad_options_are_named(
         main(["analyzer", "train", *args])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_too_little_data_is_said_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # one 60-s run: two windows per GPU, too few for the trees
+    args = ["--families", "balanced-pool", "--count", "1", "--duration", "60", "--seed", "3"]
+    assert main(["analyzer", "train", *args, "--jobs", "1", "--out", str(tmp_path / "m")]) == 1
+    assert "raise --count or --duration" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
