@@ -328,4 +328,6 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _f(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    if value is None:
+        return "-"
+    return "missed" if value == float("inf") else f"{value:.2f}"

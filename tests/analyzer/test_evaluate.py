@@ -37,6 +37,16 @@ def test_a_change_the_verdict_never_names_is_missed() -> None:
     assert evaluate.detection_delays(run, evaluate.OURS) == [None]
 
 
+def test_the_median_delay_counts_the_misses() -> None:
+    seen = _run(list("BBBOOOO"), list("BBBBOOO"), events=(3,))
+    missed = _run(list("BBBOOOO"), list("BBBBBBB"), events=(3,))
+    assert evaluate.summary([seen, missed, missed], evaluate.OURS)["median_delay_windows"] == (
+        float("inf")
+    )
+    figures = evaluate.summary([seen, seen, missed], evaluate.OURS)
+    assert figures["median_delay_windows"] == 1.0 and figures["missed"] == 1
+
+
 def test_a_change_far_from_any_event_is_not_the_events() -> None:
     truth = ["B"] * (evaluate.EVENT_REACH_WINDOWS + 3) + ["O", "O"]
     run = _run(truth, truth, events=(1,))
