@@ -269,6 +269,8 @@ def check(trace: Trace, classifiers: Mapping[str, Classifier]) -> dict[str, dict
             "per_state": per_state,
             "starved_precision": _share(starved & idle_keys, starved),
             "starved_recall": _share(starved & idle_keys, idle_keys),
+            # the contradiction: a pod called starved while among the busiest
+            "starved_hot": _share(starved & hot_keys, starved),
             "overloaded_precision": _share(overloaded & hot_keys, overloaded),
             "overloaded_recall": _share(overloaded & hot_keys, hot_keys),
         }
@@ -313,8 +315,9 @@ def report_markdown(figures: Mapping[str, Mapping[str, object]], command: str) -
         f"{_f(trace['hot_share'] * 100, 1)} %.",
         "",
         "| classifier | starved: share of windows | starved that were idle | idle called starved "
-        "| overloaded: share | overloaded that were hot | hot called overloaded |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| starved that were hot | overloaded: share | overloaded that were hot "
+        "| hot called overloaded |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in judges:
         f = figures[name]
@@ -322,7 +325,7 @@ def report_markdown(figures: Mapping[str, Mapping[str, object]], command: str) -
         assert isinstance(states, Mapping)
         lines.append(
             f"| {name} | {_f(states['starved']['share'] * 100, 1)} % | "
-            f"{_f(f['starved_precision'])} | {_f(f['starved_recall'])} | "
+            f"{_f(f['starved_precision'])} | {_f(f['starved_recall'])} | {_f(f['starved_hot'])} | "
             f"{_f(states['overloaded']['share'] * 100, 1)} % | {_f(f['overloaded_precision'])} | "
             f"{_f(f['overloaded_recall'])} |"
         )

@@ -102,6 +102,7 @@ def test_verdicts_are_checked_against_requests_and_queue_times(tmp_path: Path) -
     # the idle pod is the one starved and the busy one the one overloaded (> 90 %)
     assert judged["starved_precision"] == judged["starved_recall"] == 1.0
     assert judged["overloaded_precision"] == judged["overloaded_recall"] == 1.0
+    assert judged["starved_hot"] == 0.0
     states = judged["per_state"]
     assert states["starved"]["no_request_share"] == 1.0
     assert states["overloaded"]["queue_ms_median"] == 900.0
@@ -122,7 +123,7 @@ def test_the_command_writes_aggregates_into_the_report(
     text = report.read_text()
     assert "kept" in text and "Real telemetry: Alibaba GenTD26" in text
     assert "gpubalance analyzer check-gentd GENTD_DIR" in text
-    assert "| utilization threshold | 20.0 % | 1.00 | 1.00 | 20.0 % | 1.00 | 1.00 |" in text
+    assert "| utilization threshold | 20.0 % | 1.00 | 1.00 | 0.00 | 20.0 % | 1.00 | 1.00 |" in text
     for pod in PODS:  # numbers only: no identifier of the trace
         assert pod not in text and pod not in printed
 
