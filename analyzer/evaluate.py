@@ -47,7 +47,7 @@ from gpubalance.analyzer import train
 from gpubalance.analyzer.baselines import QueueUtilization, UtilizationThreshold
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.model import GpuStateClassifier
-from gpubalance.analyzer.train import Dataset, Example
+from gpubalance.analyzer.train import Dataset, Example, state_of
 from gpubalance.analyzer.verdict import Classifier, Verdicts
 
 # a stage of long work: stage(description, total) -> advance(n)
@@ -374,10 +374,6 @@ def verdict_labels(classifier: Classifier, table: FeatureTable) -> tuple[str, ..
 
 
 # -- figures --------------------------------------------------------------------------------
-
-
-def state_of(label: str) -> str:
-    return label.split("/", 1)[0]
 
 
 def run_scores(runs: Sequence[RunVerdicts], judge: str) -> dict[str, Any]:
