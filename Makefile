@@ -9,8 +9,11 @@ SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl
 FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`
 N ?= 5
+# `make eval`: variants per scenario family; GENTD: the Alibaba GenTD26 folder, to check on it too
+EVAL_COUNT ?= 3
+GENTD ?=
 
-.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak clean
+.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak eval clean
 
 all: test
 
@@ -66,6 +69,15 @@ bench: venv system-deps fakenvml
 soak: venv system-deps fakenvml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/soak.py --minutes 30
+
+# held-out verdict scores beside the baselines -> analyzer/EVALUATION.md and its plots
+eval: venv
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m gpubalance analyzer evaluate --count $(EVAL_COUNT) --model-out build/eval/model.skops
+	@if [ -n "$(GENTD)" ]; then \
+	  $(PY) -m gpubalance analyzer check-gentd "$(GENTD)" --model build/eval/model.skops \
+	    --report analyzer/EVALUATION.md; \
+	fi
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

@@ -17,11 +17,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
-    "analyzer": ("gpubalance.analyzer.server", "serve verdicts and recommendations over HTTP"),
+    "analyzer": ("gpubalance.analyzer.server", "verdicts and recommendations over HTTP; training"),
 }
-# a command's own subcommands (`gpubalance analyzer train`), same shape as SUBCOMMANDS; the
-# bare command does what its own module's run() does
-NESTED: dict[str, dict[str, tuple[str, str]]] = {"analyzer": {}}
+# a command's own subcommands (`gpubalance analyzer train`): the module's add_commands(sub) adds
+# them, each with its own _run default; the bare command does what its own module's run() does
+NESTED: dict[str, str] = {"analyzer": "gpubalance.analyzer.training_cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,10 +44,9 @@ def _add_commands(
         child = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.configure(child)
         child.set_defaults(_run=module.run)
-        if NESTED.get(name):
-            _add_commands(
-                child.add_subparsers(dest=f"{name}_command", metavar="COMMAND"), NESTED[name]
-            )
+        if name in NESTED:
+            nested = importlib.import_module(NESTED[name])
+            nested.add_commands(child.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

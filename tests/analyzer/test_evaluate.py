@@ -1,0 +1,121 @@
+"""The evaluation: held-out verdicts, detection delay, false alarms and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpubalance.analyzer import evaluate
+from gpubalance.analyzer.evaluate import RunVerdicts
+
+
+def _run(
+    truth: list[str], said: list[str], events: tuple[int, ...] = (), family: str = "slow-card"
+) -> RunVerdicts:
+    """One GPU's windows 0..n-1 (short names: B balanced, S starved, O overloaded)."""
+    names = {"B": "balanced/none", "S": "starved/low_demand", "O": "overloaded/slow_card"}
+    return RunVerdicts(
+        family=family,
+        name=f"{family}-1-000",
+        window_seconds=30.0,
+        event_windows=events,
+        keys=tuple(("host", 0, w) for w in range(len(truth))),
+        truth=tuple(names[x] for x in truth),
+        said={evaluate.OURS: tuple(names[x] for x in said)},
+    )
+
+
+def test_delay_counts_windows_from_the_truths_change_to_the_verdicts() -> None:
+    # event in window 3; the truth turns overloaded in window 4; the verdict follows in 6
+    run = _run(list("BBBBOOOOO"), list("BBBBBBOOO"), events=(3,))
+    assert evaluate.detection_delays(run, evaluate.OURS) == [2]
+
+
+def test_a_change_the_verdict_never_names_is_missed() -> None:
+    run = _run(list("BBBOOBBB"), list("BBBBBBBB"), events=(3,))
+    assert evaluate.detection_delays(run, evaluate.OURS) == [None]
+
+
+def test_the_median_delay_counts_the_misses() -> None:
+    seen = _run(list("BBBOOOO"), list("BBBBOOO"), events=(3,))
+    missed = _run(list("BBBOOOO"), list("BBBBBBB"), events=(3,))
+    assert evaluate.summary([seen, missed, missed], evaluate.OURS)["median_delay_windows"] == (
+        float("inf")
+    )
+    figures = evaluate.summary([seen, seen, missed], evaluate.OURS)
+    assert figures["median_delay_windows"] == 1.0 and figures["missed"] == 1
+
+
+def test_a_change_far_from_any_event_is_not_the_events() -> None:
+    truth = ["B"] * (evaluate.EVENT_REACH_WINDOWS + 3) + ["O", "O"]
+    run = _run(truth, truth, events=(1,))
+    assert evaluate.detection_delays(run, evaluate.OURS) == []
+
+
+def test_false_alarms_count_stretches_over_balanced_gpu_time() -> None:
+    run = _run(list("BBBBBBBBOO"), list("BOOBBSBBOO"), family="balanced-pool")
+    alarms, days = evaluate.false_alarms(run, evaluate.OURS)
+    assert alarms == 2  # windows 1-2 are one alarm, window 5 another; 8-9 are truly overloaded
+    assert days == pytest.approx(8 * 30 / 86_400)
+    figures = evaluate.summary([run], evaluate.OURS)
+    assert figures["false_alarms_per_gpu_day"] == pytest.approx(2 / days)
+    # a run not written to be balanced does not count towards the alarm rate
+    other = evaluate.summary([_run(list("BBBB"), list("BOOB"))], evaluate.OURS)
+    assert other["false_alarms_per_gpu_day"] is None
+
+
+def test_scores_are_of_the_verdicts() -> None:
+    run = _run(list("BBOO"), list("BBOO"))
+    assert evaluate.summary([run], evaluate.OURS)["state_macro_f1"] == 1.0
+    wrong = _run(list("BBOO"), list("BBBB"))
+    assert evaluate.summary([wrong], evaluate.OURS)["state_macro_f1"] < 1.0
+
+
+def test_an_unknown_family_is_named() -> None:
+    with pytest.raises(ValueError, match="no-such-family"):
+        evaluate.family_list("balanced-pool,no-such-family")
+    assert evaluate.family_list("slow-card, batch-wait") == ["slow-card", "batch-wait"]
+
+
+def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> None:
+    report = tmp_path / "EVALUATION.md"
+    report.write_text(
+        "# kept\n\n<!-- eval:gentd:start -->\nGenTD figures\n<!-- eval:gentd:end -->\n"
+    )
+    result = evaluate.evaluate(
+        ["balanced-pool", "weighted-skew"],
+        1,
+        1,
+        duration_seconds=300,
+        shipped=False,
+        jobs=1,
+        make=lambda: evaluate.GpuStateClassifier(max_iter=20),
+    )
+    # every held-out window was judged by each classifier, by the fold that held it out
+    assert {r.family for r in result.generated} == {"balanced-pool", "weighted-skew"}
+    for run in result.generated:
+        assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW}
+        assert all(len(labels) == len(run.truth) for labels in run.said.values())
+    # the lab applied what was recommended, if anything, and measured it
+    assert "unavailable" not in result.recommendations, result.recommendations
+    evaluate.write_report(result, report, "gpubalance analyzer evaluate --count 1")
+    text = report.read_text()
+    assert "GenTD figures" in text  # the other section is kept
+    for needle in (
+        "state macro-F1",
+        "cause accuracy",
+        "median delay",
+        "false alarms / GPU-day",
+        evaluate.QUEUE,
+        evaluate.THRESHOLD,
+        "`weighted-skew`",
+        "evaluation-confusion.png",
+        "Recommendation prediction error",
+    ):
+        assert needle in text
+    assert (tmp_path / "evaluation-confusion.png").stat().st_size > 0
+    assert (tmp_path / "evaluation-families.png").stat().st_size > 0
+    # written again, the section is replaced, not repeated
+    evaluate.write_report(result, report, "gpubalance analyzer evaluate --count 1")
+    assert report.read_text().count("## Held-out families") == 1
