@@ -573,8 +573,9 @@ def _classifier(args: argparse.Namespace) -> tuple[Classifier, str]:
 def run(
     args: argparse.Namespace, make_recommender: Callable[[], RecommenderLike] | None = None
 ) -> int:
-    """`gpubalance analyzer`; ``make_recommender`` makes the service's recommender (None: the
-    service makes no recommendations and says so)."""
+    """`gpubalance analyzer`; ``make_recommender`` makes the service's recommender (default
+    :class:`~gpubalance.analyzer.recommend.Recommender`)."""
+    from gpubalance.analyzer.recommend import Recommender
     from gpubalance.analyzer.service import OpeningSource
     from gpubalance.analyzer.sources import SourceError, open_source
     from gpubalance.config import LOG_FORMAT, ConfigError, read_token
@@ -611,7 +612,7 @@ def run(
     service = AnalyzerService(
         source,
         classifier,
-        None if make_recommender is None else make_recommender(),
+        (make_recommender or Recommender)(),
         window_seconds=args.window,
         classifier_name=classifier_name,
     )

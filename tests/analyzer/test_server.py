@@ -184,6 +184,16 @@ def test_a_lab_run_is_judged_as_gpubalance_diagnose_judges_it(
     assert report["source"]["up"] is True and report["source"]["error"] is None
     assert report["classifier"] == "baseline-queue" and report["window_seconds"] == 30
     assert analyzer.request("/api/v1/diagnosis?history=-1").status == 400
+    # the service's recommender is the one `gpubalance diagnose --recommend` prints
+    capsys.readouterr()
+    assert main(["diagnose", "--from", str(run_dir), "--format", "json", "--recommend"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    served = analyzer.request("/api/v1/recommendations").json()
+    served = served["recommendations"] if isinstance(served, dict) else served
+    same = ("id", "action", "target", "parameters", "reason")
+    assert printed and [{k: r[k] for k in same} for r in served] == [
+        {k: r[k] for k in same} for r in printed
+    ]
     assert analyzer.stop() == 0
     assert "stopping" in analyzer.log()
 
