@@ -78,6 +78,9 @@ class GpuFrame:
     # sample_count; stale_call is the pynvml function the last of them waited in
     stale_sample_count: int = 0
     stale_call: str | None = None
+    # the slowest service class's mean request duration over the fastest's, where the GPU's
+    # queues report classes apart (None: fewer than two classes completed in the window)
+    class_duration_ratio: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -344,7 +347,7 @@ def _gpu_frame(
         completions_per_second=serving.rate_of("request_duration_seconds_count"),
         allocation_failures=serving.increase_of("allocation_failures_total"),
         service_classes=serving.classes,
-        queue_names=tuple(sorted({queue for _, _, queue in serving.series})),
+        queue_names=tuple(sorted({key[2] for key in serving.series})),
         feeder_processes=len(pids),
         feeder_cpu_cores_max=feeder_cores,
         feeder_read_bytes_per_second=feeder_reads,
@@ -354,10 +357,16 @@ def _gpu_frame(
         host_iowait_ratio=host.iowait,
         stale_sample_count=len(stale),
         stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
+        class_duration_ratio=serving.class_duration_ratio(),
     )
 
 
-_Queue = tuple[str, str, str]  # worker, source, queue
+# worker, source, queue, service class: a server that counts classes apart has a series each
+_Queue = tuple[str, str, str, str | None]
+
+
+def _key(serving: ServingSample) -> _Queue:
+    return (serving.worker, serving.source, serving.queue, serving.service_class)
 
 
 def _on_gpu(serving: ServingSample, gpu: GpuSample) -> bool:
@@ -375,7 +384,7 @@ class _ServingFigures:
         if before is not None:
             for serving in before.serving:
                 if _on_gpu(serving, gpu):
-                    self.baseline[(serving.worker, serving.source, serving.queue)] = serving
+                    self.baseline[_key(serving)] = serving
         totals: list[tuple[float, float]] = []
         running: list[float] = []
         classes: set[str] = set()
@@ -385,7 +394,7 @@ class _ServingFigures:
             for serving in sample.serving:
                 if not _on_gpu(serving, gpu) or not serving.up:
                     continue
-                key = (serving.worker, serving.source, serving.queue)
+                key = _key(serving)
                 self.series.setdefault(key, []).append((sample.timestamp_seconds, serving))
                 if serving.service_class is not None:
                     classes.add(serving.service_class)
@@ -416,6 +425,27 @@ class _ServingFigures:
             if value is not None:
                 out.append(value)
         return out
+
+    def class_duration_ratio(self) -> float | None:
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for key, series in self.series.items():
+            serving = series[-1][1]
+            if serving.service_class is None:
+                continue
+            first = self.baseline.get(key, series[0][1])
+            total = _increase(
+                serving.request_duration_seconds_sum, first.request_duration_seconds_sum
+            )
+            count = _increase(
+                serving.request_duration_seconds_count, first.request_duration_seconds_count
+            )
+            if total is None or not count:
+                continue
+            sums[serving.service_class] = sums.get(serving.service_class, 0.0) + total
+            counts[serving.service_class] = counts.get(serving.service_class, 0.0) + count
+        means = [sums[c] / counts[c] for c in counts if sums[c] > 0]
+        return max(means) / min(means) if len(means) >= 2 else None
 
     def increase_of(self, name: str) -> float | None:
         values = self._increases(name)
