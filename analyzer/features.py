@@ -81,6 +81,8 @@ COLUMNS: tuple[str, ...] = (
     "batch_wait_share_estimate",
     "service_class_count",
     "class_duration_ratio",
+    "kv_cache_usage_ratio",
+    "kv_cache_usage_peer_z",
     "queue_batches_previous",
     "effective_utilization_previous",
     "queue_batches_recent_mean",
@@ -335,6 +337,7 @@ class FeatureBuilder:
             "capacity": capacity,
             "rho": min(rho, 5.0),
             "rho_fitted": min(fitted, 5.0),
+            "kv": _nan(frame.kv_cache_usage_ratio) if live else math.nan,
             "offered": min((completions + growth) / capacity, 5.0) if capacity > 0 else math.nan,
         }
 
@@ -475,6 +478,8 @@ class FeatureBuilder:
             # interactive requests that wait behind long batch-class ones in one queue
             "service_class_count": float(len(frame.service_classes)),
             "class_duration_ratio": _nan(frame.class_duration_ratio),
+            "kv_cache_usage_ratio": own["kv"],
+            "kv_cache_usage_peer_z": _robust_z(own["kv"], [p["kv"] for p in pool]),
             "peer_rho_fitted_max": max(peer_fitted) if peer_fitted else math.nan,
             "pool_rho_fitted_mean": _mean(pool_fitted),
             # the share of a batch cycle spent waiting for the batch to fill

@@ -81,6 +81,9 @@ class GpuFrame:
     # the slowest service class's mean request duration over the fastest's, where the GPU's
     # queues report classes apart (None: fewer than two classes completed in the window)
     class_duration_ratio: float | None = None
+    # mean over the window of the fullest KV cache among the GPU's queues (vLLM's
+    # kv_cache_usage_perc, TensorRT-LLM's used blocks): None where no queue reports it
+    kv_cache_usage_ratio: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -358,6 +361,7 @@ def _gpu_frame(
         stale_sample_count=len(stale),
         stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
         class_duration_ratio=serving.class_duration_ratio(),
+        kv_cache_usage_ratio=serving.kv_usage_mean,
     )
 
 
@@ -387,10 +391,12 @@ class _ServingFigures:
                     self.baseline[_key(serving)] = serving
         totals: list[tuple[float, float]] = []
         running: list[float] = []
+        kv_usage: list[float] = []
         classes: set[str] = set()
         for sample in samples:
             depth: float | None = None
             run: float | None = None
+            kv: float | None = None
             for serving in sample.serving:
                 if not _on_gpu(serving, gpu) or not serving.up:
                     continue
@@ -402,16 +408,21 @@ class _ServingFigures:
                     depth = (depth or 0.0) + serving.queue_depth
                 if serving.running is not None:
                     run = (run or 0.0) + serving.running
+                if serving.kv_cache_usage_ratio is not None:
+                    kv = max(kv or 0.0, serving.kv_cache_usage_ratio)
             if depth is not None:
                 totals.append((sample.timestamp_seconds, depth))
             if run is not None:
                 running.append(run)
+            if kv is not None:
+                kv_usage.append(kv)
         self.queues = len(self.series)
         depths = [d for _, d in totals]
         self.depth_mean = _mean(depths)
         self.depth_max = max(depths) if depths else None
         self.depth_slope = _slope(totals)
         self.running_mean = _mean(running)
+        self.kv_usage_mean = _mean(kv_usage)
         self.classes = tuple(sorted(classes))
         self.elapsed = samples[-1].timestamp_seconds - (
             before.timestamp_seconds if before is not None else samples[0].timestamp_seconds

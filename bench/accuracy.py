@@ -121,27 +121,32 @@ def dataset(count: int, seed: int, cache: Path, jobs: int) -> train.Dataset:
     return train.Dataset(table, tuple(labels), tuple(groups), tuple(runs))
 
 
-def verdict_labels(model: Any, data: train.Dataset) -> list[str]:
+def verdict_labels(
+    model: Any, data: train.Dataset, options: dict[str, Any] | None = None
+) -> list[str]:
     """Each row's verdict as "state/cause", one run at a time (persistence runs per GPU)."""
     out = [""] * len(data)
     runs = np.asarray(data.runs)
     for run in sorted(set(data.runs)):
         index = np.flatnonzero(runs == run)
         part = data.subset(runs == run)
-        diagnosis = Verdicts(model).diagnose(part.table)
+        diagnosis = Verdicts(model, **(options or {})).diagnose(part.table)
         by_key = {(v.host, v.gpu, v.t_start): f"{v.state}/{v.cause}" for v in diagnosis.verdicts}
         for i, frame in zip(index, part.table.frames, strict=True):
             out[i] = by_key.get((frame.host, frame.gpu, frame.t_start), "unknown/none")
     return out
 
 
-def held_out(data: train.Dataset, max_iter: int = 300) -> dict[str, Any]:
+def held_out(
+    data: train.Dataset, max_iter: int = 300, settings: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """What `train.cross_validate` does (one family held out per fit), on the raw model's
     labels and on the verdicts of the same fit."""
     groups = np.asarray(data.groups)
     labels = list(data.labels)
     raw = [""] * len(data)
     verdicts = [""] * len(data)
+    others = [[""] * len(data) for _ in settings or []]
     families = sorted(set(data.groups))
     with progress("held-out families", len(families)) as advance:
         for family in families:
@@ -154,6 +159,9 @@ def held_out(data: train.Dataset, max_iter: int = 300) -> dict[str, Any]:
                 raw[i] = str(label)
             for i, label in zip(index, verdict_labels(model, test), strict=True):
                 verdicts[i] = label
+            for j, options in enumerate(settings or []):
+                for i, label in zip(index, verdict_labels(model, test, options), strict=True):
+                    others[j][i] = label
             advance()
 
     def part(predicted: list[str], family: str) -> dict[str, Any]:
@@ -165,6 +173,10 @@ def held_out(data: train.Dataset, max_iter: int = 300) -> dict[str, Any]:
         "verdicts": train.scores(labels, verdicts),
         "per_family": {f: {"raw": part(raw, f), "verdicts": part(verdicts, f)} for f in families},
         "confusion": train.confusion(labels, verdicts),
+        "settings": [
+            {"options": o, **train.scores(labels, v)}
+            for o, v in zip(settings or [], others, strict=True)
+        ],
         "raw_confusion": train.confusion(labels, raw),
     }
 
@@ -194,6 +206,11 @@ def print_report(data: train.Dataset, result: dict[str, Any]) -> None:
         f"{'ALL':18s} {r['windows']:7d}  {_fmt(r['state_macro_f1'])}  "
         f"{_fmt(r['cause_accuracy'])}   {_fmt(v['state_macro_f1'])}  {_fmt(v['cause_accuracy'])}"
     )
+    for other in result["settings"]:
+        print(
+            f"verdicts with {other['options']}: state macro-F1 {_fmt(other['state_macro_f1'])}, "
+            f"cause accuracy {_fmt(other['cause_accuracy'])}"
+        )
     print("\nverdict confusion (rows truth, columns verdict; share of the row's windows, %):")
     labels = result["confusion"]["labels"]
     short = [x.replace("starved/", "s/").replace("overloaded/", "o/")[:9] for x in labels]
@@ -213,11 +230,22 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/gpubalance-accuracy-cache"))
     parser.add_argument("--max-iter", type=int, default=300, help="boosting rounds per fit")
+    parser.add_argument(
+        "--verdicts",
+        action="append",
+        default=[],
+        metavar="K:ENTER:LEAVE",
+        help="also score verdicts with these persistence windows and confidences",
+    )
     parser.add_argument("--json", type=Path, help="also write the scores here")
     args = parser.parse_args()
     data = dataset(args.count, args.seed, args.cache, args.jobs)
     started = time.perf_counter()
-    result = held_out(data, args.max_iter)
+    settings = [
+        dict(zip(("persistence_windows", "enter_confidence", "leave_confidence"), v, strict=True))
+        for v in ((int(a), float(b), float(c)) for a, b, c in (x.split(":") for x in args.verdicts))
+    ]
+    result = held_out(data, args.max_iter, settings)
     print(f"held-out fits: {time.perf_counter() - started:.0f} s")
     print_report(data, result)
     if args.json:

@@ -115,3 +115,13 @@ def test_classes_sharing_one_queue_are_told_apart(tmp_path: Path) -> None:
     split = _table("separate-pools", 240, tmp_path / "split")
     assert set(split.column("service_class_count")) == {1.0}
     assert np.isnan(split.column("class_duration_ratio")).all()
+
+
+def test_kv_cache_usage_shows_memory_pressure(tmp_path: Path) -> None:
+    # 13B INT8 with 800 KiB/token of KV: the cache runs far fuller than on a healthy server
+    tight = _table("fragmented-memory", 180, tmp_path / "tight")
+    healthy = _table("balanced-4x4090", 180, tmp_path / "healthy")
+    usage = tight.column("kv_cache_usage_ratio")
+    assert (
+        float(np.nanmedian(usage)) > 0.1 > float(np.nanmax(healthy.column("kv_cache_usage_ratio")))
+    )
