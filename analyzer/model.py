@@ -139,6 +139,12 @@ class GpuStateClassifier:
 
 
 def _fit(estimator: Any, values: np.ndarray, labels: np.ndarray) -> Any:
+    # a column the training rows never know (per-class durations on servers with one class)
+    # cannot be binned; as a constant it splits nothing, whatever later rows hold
+    unknown = np.isnan(values).all(axis=0)
+    if unknown.any():
+        values = values.copy()
+        values[:, unknown] = 0.0
     return estimator.fit(values, labels)
 
 
