@@ -78,6 +78,12 @@ class GpuFrame:
     # sample_count; stale_call is the pynvml function the last of them waited in
     stale_sample_count: int = 0
     stale_call: str | None = None
+    # the slowest service class's mean request duration over the fastest's, where the GPU's
+    # queues report classes apart (None: fewer than two classes completed in the window)
+    class_duration_ratio: float | None = None
+    # mean over the window of the fullest KV cache among the GPU's queues (vLLM's
+    # kv_cache_usage_perc, TensorRT-LLM's used blocks): None where no queue reports it
+    kv_cache_usage_ratio: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -344,7 +350,7 @@ def _gpu_frame(
         completions_per_second=serving.rate_of("request_duration_seconds_count"),
         allocation_failures=serving.increase_of("allocation_failures_total"),
         service_classes=serving.classes,
-        queue_names=tuple(sorted({queue for _, _, queue in serving.series})),
+        queue_names=tuple(sorted({key[2] for key in serving.series})),
         feeder_processes=len(pids),
         feeder_cpu_cores_max=feeder_cores,
         feeder_read_bytes_per_second=feeder_reads,
@@ -354,10 +360,17 @@ def _gpu_frame(
         host_iowait_ratio=host.iowait,
         stale_sample_count=len(stale),
         stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
+        class_duration_ratio=serving.class_duration_ratio(),
+        kv_cache_usage_ratio=serving.kv_usage_mean,
     )
 
 
-_Queue = tuple[str, str, str]  # worker, source, queue
+# worker, source, queue, service class: a server that counts classes apart has a series each
+_Queue = tuple[str, str, str, str | None]
+
+
+def _key(serving: ServingSample) -> _Queue:
+    return (serving.worker, serving.source, serving.queue, serving.service_class)
 
 
 def _on_gpu(serving: ServingSample, gpu: GpuSample) -> bool:
@@ -375,17 +388,19 @@ class _ServingFigures:
         if before is not None:
             for serving in before.serving:
                 if _on_gpu(serving, gpu):
-                    self.baseline[(serving.worker, serving.source, serving.queue)] = serving
+                    self.baseline[_key(serving)] = serving
         totals: list[tuple[float, float]] = []
         running: list[float] = []
+        kv_usage: list[float] = []
         classes: set[str] = set()
         for sample in samples:
             depth: float | None = None
             run: float | None = None
+            kv: float | None = None
             for serving in sample.serving:
                 if not _on_gpu(serving, gpu) or not serving.up:
                     continue
-                key = (serving.worker, serving.source, serving.queue)
+                key = _key(serving)
                 self.series.setdefault(key, []).append((sample.timestamp_seconds, serving))
                 if serving.service_class is not None:
                     classes.add(serving.service_class)
@@ -393,16 +408,21 @@ class _ServingFigures:
                     depth = (depth or 0.0) + serving.queue_depth
                 if serving.running is not None:
                     run = (run or 0.0) + serving.running
+                if serving.kv_cache_usage_ratio is not None:
+                    kv = max(kv or 0.0, serving.kv_cache_usage_ratio)
             if depth is not None:
                 totals.append((sample.timestamp_seconds, depth))
             if run is not None:
                 running.append(run)
+            if kv is not None:
+                kv_usage.append(kv)
         self.queues = len(self.series)
         depths = [d for _, d in totals]
         self.depth_mean = _mean(depths)
         self.depth_max = max(depths) if depths else None
         self.depth_slope = _slope(totals)
         self.running_mean = _mean(running)
+        self.kv_usage_mean = _mean(kv_usage)
         self.classes = tuple(sorted(classes))
         self.elapsed = samples[-1].timestamp_seconds - (
             before.timestamp_seconds if before is not None else samples[0].timestamp_seconds
@@ -416,6 +436,27 @@ class _ServingFigures:
             if value is not None:
                 out.append(value)
         return out
+
+    def class_duration_ratio(self) -> float | None:
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for key, series in self.series.items():
+            serving = series[-1][1]
+            if serving.service_class is None:
+                continue
+            first = self.baseline.get(key, series[0][1])
+            total = _increase(
+                serving.request_duration_seconds_sum, first.request_duration_seconds_sum
+            )
+            count = _increase(
+                serving.request_duration_seconds_count, first.request_duration_seconds_count
+            )
+            if total is None or not count:
+                continue
+            sums[serving.service_class] = sums.get(serving.service_class, 0.0) + total
+            counts[serving.service_class] = counts.get(serving.service_class, 0.0) + count
+        means = [sums[c] / counts[c] for c in counts if sums[c] > 0]
+        return max(means) / min(means) if len(means) >= 2 else None
 
     def increase_of(self, name: str) -> float | None:
         values = self._increases(name)

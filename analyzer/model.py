@@ -2,7 +2,11 @@
 
 Gradient-boosted trees (scikit-learn's HistGradientBoostingClassifier: NaN-aware, so "the
 telemetry does not say" stays a value of its own) over :data:`~gpubalance.analyzer.features.
-COLUMNS`. Persisted with skops, never pickle: loading a pickle runs code, loading a skops file
+COLUMNS`. By default in two steps, as the ground truth decides: the state (from the GPU's load
+against its capacity), then the cause given the state, each step with balanced class weights
+so that a rare cause is not drowned by a common one; p(state/cause) = p(state) p(cause | state).
+
+Persisted with skops, never pickle: loading a pickle runs code, loading a skops file
 only rebuilds the types it lists, and :func:`load` refuses any type outside scikit-learn and
 numpy, and any file written for other feature columns or another format version.
 """
@@ -19,7 +23,7 @@ import numpy as np
 
 from gpubalance.analyzer.features import COLUMNS, FeatureTable
 
-FORMAT = "gpubalance.analyzer.model/v1"
+FORMAT = "gpubalance.analyzer.model/v2"
 
 
 class ModelError(Exception):
@@ -38,6 +42,7 @@ class GpuStateClassifier:
         l2_regularization: float = 1.0,
         class_weight: str | None = "balanced",
         random_state: int = 0,
+        hierarchy: bool = True,
     ) -> None:
         self.max_iter = max_iter
         self.learning_rate = learning_rate
@@ -46,6 +51,7 @@ class GpuStateClassifier:
         self.l2_regularization = l2_regularization
         self.class_weight = class_weight
         self.random_state = random_state
+        self.hierarchy = hierarchy
 
     def get_params(self) -> dict[str, Any]:
         return {
@@ -56,16 +62,13 @@ class GpuStateClassifier:
             "l2_regularization": self.l2_regularization,
             "class_weight": self.class_weight,
             "random_state": self.random_state,
+            "hierarchy": self.hierarchy,
         }
 
-    def fit(self, table: FeatureTable, labels: Sequence[str]) -> GpuStateClassifier:
+    def _estimator(self) -> Any:
         from sklearn.ensemble import HistGradientBoostingClassifier
 
-        if table.columns != COLUMNS:
-            raise ValueError("the table's columns are not this version's feature columns")
-        if len(labels) != len(table.frames):
-            raise ValueError(f"{len(labels)} labels for {len(table.frames)} rows")
-        estimator = HistGradientBoostingClassifier(
+        return HistGradientBoostingClassifier(
             max_iter=self.max_iter,
             learning_rate=self.learning_rate,
             max_leaf_nodes=self.max_leaf_nodes,
@@ -75,9 +78,32 @@ class GpuStateClassifier:
             early_stopping=False,
             random_state=self.random_state,
         )
-        estimator.fit(table.values, np.asarray(labels))
-        self.estimator_ = estimator
-        self.classes_ = estimator.classes_
+
+    def fit(self, table: FeatureTable, labels: Sequence[str]) -> GpuStateClassifier:
+        if table.columns != COLUMNS:
+            raise ValueError("the table's columns are not this version's feature columns")
+        if len(labels) != len(table.frames):
+            raise ValueError(f"{len(labels)} labels for {len(table.frames)} rows")
+        joint = np.asarray(labels)
+        self.cause_estimators_: dict[str, Any] = {}
+        # states with one cause in the data: that cause, with no estimator
+        self.only_cause_: dict[str, str] = {}
+        if self.hierarchy:
+            states = np.asarray([label.split("/", 1)[0] for label in labels])
+            self.estimator_ = _fit(self._estimator(), table.values, states)
+            for state in self.estimator_.classes_:
+                mine = states == state
+                causes = joint[mine]
+                if len(set(causes)) == 1:
+                    self.only_cause_[str(state)] = str(causes[0])
+                else:
+                    self.cause_estimators_[str(state)] = _fit(
+                        self._estimator(), table.values[mine], causes
+                    )
+            self.classes_ = np.asarray(sorted(set(joint)))
+        else:
+            self.estimator_ = _fit(self._estimator(), table.values, joint)
+            self.classes_ = self.estimator_.classes_
         self.feature_names_in_ = np.asarray(COLUMNS)
         self.n_features_in_ = len(COLUMNS)
         return self
@@ -86,7 +112,20 @@ class GpuStateClassifier:
         self._check(table)
         if not len(table.frames):
             return np.zeros((0, len(self.classes_)))
-        return self.estimator_.predict_proba(table.values)
+        if not self.hierarchy:
+            return self.estimator_.predict_proba(table.values)
+        column = {label: i for i, label in enumerate(self.classes_)}
+        out = np.zeros((len(table.frames), len(self.classes_)))
+        states = self.estimator_.predict_proba(table.values)
+        for j, state in enumerate(self.estimator_.classes_):
+            p_state = states[:, j]
+            if state in self.only_cause_:
+                out[:, column[self.only_cause_[state]]] += p_state
+                continue
+            cause = self.cause_estimators_[state]
+            for k, label in enumerate(cause.predict_proba(table.values).T):
+                out[:, column[cause.classes_[k]]] += p_state * label
+        return out
 
     def predict(self, table: FeatureTable) -> np.ndarray:
         proba = self.predict_proba(table)
@@ -97,6 +136,16 @@ class GpuStateClassifier:
             raise ModelError("the classifier is not fitted")
         if tuple(self.feature_names_in_) != table.columns:
             raise ModelError("the table's feature columns differ from the model's")
+
+
+def _fit(estimator: Any, values: np.ndarray, labels: np.ndarray) -> Any:
+    # a column the training rows never know (per-class durations on servers with one class)
+    # cannot be binned; as a constant it splits nothing, whatever later rows hold
+    unknown = np.isnan(values).all(axis=0)
+    if unknown.any():
+        values = values.copy()
+        values[:, unknown] = 0.0
+    return estimator.fit(values, labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +160,20 @@ def save(path: Path, classifier: GpuStateClassifier, report: dict[str, Any]) -> 
 
     if not hasattr(classifier, "estimator_"):
         raise ModelError("the classifier is not fitted")
-    header = {"format": FORMAT, "columns": list(COLUMNS), "params": classifier.get_params()}
-    sio.dump({"header": json.dumps(header), "estimator": classifier.estimator_}, path)
+    header = {
+        "format": FORMAT,
+        "columns": list(COLUMNS),
+        "params": classifier.get_params(),
+        "only_cause": classifier.only_cause_,
+    }
+    sio.dump(
+        {
+            "header": json.dumps(header),
+            "estimator": classifier.estimator_,
+            "causes": classifier.cause_estimators_,
+        },
+        path,
+    )
     path.with_suffix(".report.json").write_text(
         json.dumps({**header, **report}, indent=2, sort_keys=True) + "\n"
     )
@@ -134,6 +195,7 @@ def load(path: Path) -> GpuStateClassifier:
         content = sio.load(path, trusted=allowed)
         header = json.loads(content["header"])
         estimator = content["estimator"]
+        causes = content.get("causes", {})
     except Exception as exc:
         raise ModelError(f"{path}: not a gpubalance model file ({exc})") from None
     if header.get("format") != FORMAT:
@@ -148,7 +210,15 @@ def load(path: Path) -> GpuStateClassifier:
         )
     classifier = GpuStateClassifier(**header["params"])
     classifier.estimator_ = estimator
-    classifier.classes_ = estimator.classes_
+    classifier.cause_estimators_ = dict(causes)
+    classifier.only_cause_ = dict(header.get("only_cause", {}))
+    if classifier.hierarchy:
+        joint = set(classifier.only_cause_.values())
+        for cause in causes.values():
+            joint |= {str(c) for c in cause.classes_}
+        classifier.classes_ = np.asarray(sorted(joint))
+    else:
+        classifier.classes_ = estimator.classes_
     classifier.feature_names_in_ = np.asarray(COLUMNS)
     classifier.n_features_in_ = len(COLUMNS)
     return classifier

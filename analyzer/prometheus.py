@@ -736,6 +736,9 @@ class _Assembly:
             stale_sample_count=stale.astype(int).tolist(),
             # which call a stale GPU hangs in is a label of its stale series; not joined here
             stale_call=[[None] * n for _ in range(gpus)],
+            # per-class request durations and KV cache usage are not among the series queried
+            class_duration_ratio=[[None] * n for _ in range(gpus)],
+            kv_cache_usage_ratio=[[None] * n for _ in range(gpus)],
             expected_sample_count=[[int(e)] * n for e in expected],
             lost=(lost > 0).tolist(),
             memory_used_bytes=_objects(self.gpu("memory_used"), int).tolist(),

@@ -461,6 +461,9 @@ class Verdicts:
         evidence: _Evidence,
     ) -> Verdict:
         frame = evidence.context.table.frames[row]
+        # a GPU read fine whose serving queues are all gone after it served a pool: its worker
+        # is down (crashed, restarting), whatever the classifier makes of an idle GPU
+        worker_gone = bool(track.pool) and frame.serving_queues == 0 and not frame.lost
         track.pool = pool_name(frame) or track.pool
 
         def verdict(
@@ -486,6 +489,14 @@ class Verdicts:
         if guard is not None:
             track.reset()
             return verdict("unknown", "none", 1.0, [guard[1]], guard[0])
+        if worker_gone and frame.sample_count > 0:
+            track.held, track.pending, track.pending_windows = ("starved", "worker_crash"), None, 0
+            sentences = [
+                f"no serving queue of pool {track.pool} reports from GPU {frame.gpu}: its worker "
+                "is down",
+                *evidence.sentences(row, "starved", "worker_crash"),
+            ]
+            return verdict("starved", "worker_crash", 1.0, sentences, None)
         states, causes = self._distribution(frame, probabilities, labels)
         best = max(JUDGED, key=lambda s: states[s])
         if states["unknown"] >= states[best]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from gpubalance.lab.figures import Telemetry, WorkerFigures
+from gpubalance.lab.figures import ClassFigures, Telemetry, WorkerFigures
 from gpubalance.lab.model.memory import Allocation, AllocationFailed, KvRegion
 from gpubalance.lab.model.service import ServiceModel
 from gpubalance.lab.routing import Router
@@ -78,6 +78,9 @@ class WorkerState:
     disk_reads: int = 0
     queue_area: float = 0.0  # integral of the queue length over time
     queue_since: float = 0.0
+    # per service class of the worker's pool: [queued now, done, duration sum, delay sum,
+    # delay count], what a server with per-class queues reports of each
+    by_class: dict[str, list[float]] = field(default_factory=dict)
 
     def account_queue(self, now: float) -> None:
         """Add the queue's length times the time since its last change (before a change)."""
@@ -132,6 +135,9 @@ class FastRun:
             for w in plan.workers
         ]
         self.by_name = {w.name: w for w in self.workers}
+        classes = sorted({t.service_class for t in self.scenario.traffic})
+        for w in self.workers:
+            w.by_class = {c: [0, 0, 0.0, 0.0, 0] for c in classes if plan.pool_of(c) == w.plan.pool}
         self.pools: dict[str, list[WorkerState]] = {}
         for w in self.workers:
             self.pools.setdefault(w.plan.pool, []).append(w)
@@ -260,6 +266,8 @@ class FastRun:
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
         worker.account_queue(self.env.now)
         worker.queue.append((request, self.env.now))
+        if request.service_class in worker.by_class:
+            worker.by_class[request.service_class][0] += 1
         if worker.wake is not None and not worker.wake.triggered:
             worker.wake.succeed()
 
@@ -294,6 +302,9 @@ class FastRun:
         now = env.now
         worker.account_queue(now)
         taken = [worker.queue.popleft() for _ in range(min(limit, len(worker.queue)))]
+        for request, _ in taken:
+            if (counts := worker.by_class.get(request.service_class)) is not None:
+                counts[0] -= 1
         model = worker.plan.model
         admitted: list[tuple[Request, float, Allocation]] = []
         for request, enqueued in taken:
@@ -314,6 +325,10 @@ class FastRun:
         worker.batch_size_sum += len(admitted)
         worker.batch_delay_sum += sum(now - enqueued for _, enqueued, _ in admitted)
         worker.batch_delay_count += len(admitted)
+        for request, enqueued, _ in admitted:
+            if (counts := worker.by_class.get(request.service_class)) is not None:
+                counts[3] += now - enqueued
+                counts[4] += 1
         worker.running = len(admitted)
         worker.gpu.busy.append((now, now + busy))
         generation = worker.generation
@@ -361,6 +376,9 @@ class FastRun:
         worker.in_flight -= 1
         worker.requests_done += 1
         worker.request_duration_sum += now - request.arrival_seconds
+        if (counts := worker.by_class.get(request.service_class)) is not None:
+            counts[1] += 1
+            counts[2] += now - request.arrival_seconds
         self.records.append(self._record(request, start, now, worker, "ok", worker.running))
         self._freed(worker)
 
@@ -382,6 +400,8 @@ class FastRun:
         worker.in_flight = 0
         worker.account_queue(now)
         worker.queue.clear()
+        for counts in worker.by_class.values():
+            counts[0] = 0
         worker.preparing = {}
         worker.current = {}
         worker.running = 0
@@ -497,6 +517,10 @@ class FastRun:
             disk_busy_seconds=w.disk_busy_seconds,
             disk_reads=w.disk_reads,
             create_time_seconds=ORIGIN_SECONDS,
+            classes=tuple(
+                ClassFigures(c, int(n[0]), int(n[1]), n[2], n[3], int(n[4]))
+                for c, n in w.by_class.items()
+            ),
         )
 
 

@@ -7,6 +7,7 @@ HostSample, ServingSample) and into the rows of frames.csv.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,18 @@ WORKER_RSS_BYTES = 3 * 1024 * MIB
 HOST_MEMORY_BYTES = 256 * 1024 * MIB
 HOST_AVAILABLE_BYTES = 200 * 1024 * MIB
 DRIVER_VERSION = "595.71.05"
+
+
+@dataclass(frozen=True, slots=True)
+class ClassFigures:
+    """One service class's share of a worker's counts (cumulative, queue depth now)."""
+
+    service_class: str
+    queue_depth: int
+    requests_done: int
+    request_duration_sum: float
+    batch_delay_sum: float
+    batch_delay_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +75,9 @@ class WorkerFigures:
     disk_reads: int = 0
     batch_delay_count: int = 0  # requests that started a batch
     queue_area: float = 0.0  # integral of the queue length over time (request-seconds)
+    # per service class, where the worker counts them apart (the fast speed): one serving
+    # queue series per class, as a server with per-class queues (priorities) reports them
+    classes: tuple[ClassFigures, ...] = ()
 
 
 def memory_used_bytes(worker: PlannedWorker, figures: WorkerFigures) -> int:
@@ -124,7 +140,7 @@ class Telemetry:
                         threads=w.preprocess.threads + 4,
                         create_time_seconds=f.create_time_seconds or self.origin,
                     )
-                serving.append(self._serving(w, gpu, f))
+                serving.extend(self._serving(w, gpu, f))
         host = self._host(end, period, figures)
         for w in self.plan.workers:
             self._last[w.name] = figures[w.name]
@@ -188,8 +204,8 @@ class Telemetry:
             ),
         )
 
-    def _serving(self, w: PlannedWorker, gpu: PlannedGpu, f: WorkerFigures) -> ServingSample:
-        return ServingSample(
+    def _serving(self, w: PlannedWorker, gpu: PlannedGpu, f: WorkerFigures) -> list[ServingSample]:
+        whole = ServingSample(
             source=self.source,
             worker=w.name,
             queue=w.model_name,
@@ -209,6 +225,30 @@ class Telemetry:
             if w.kv_cache_bytes
             else None,
         )
+        if not f.classes:
+            return [whole]
+        # one series per class; what belongs to the worker's batches as a whole (batch sizes,
+        # the running batch, allocations, KV) goes with the first, so sums over series hold
+        out = []
+        for i, c in enumerate(f.classes):
+            shared = whole if i == 0 else None
+            out.append(
+                dataclasses.replace(
+                    whole,
+                    service_class=c.service_class,
+                    queue_depth=float(c.queue_depth),
+                    running=whole.running if shared else None,
+                    batch_assembly_delay_seconds_sum=round(c.batch_delay_sum, 6),
+                    batch_assembly_delay_seconds_count=float(c.batch_delay_count),
+                    batch_size_sum=whole.batch_size_sum if shared else None,
+                    batch_size_count=whole.batch_size_count if shared else None,
+                    request_duration_seconds_sum=round(c.request_duration_sum, 6),
+                    request_duration_seconds_count=float(c.requests_done),
+                    allocation_failures_total=whole.allocation_failures_total if shared else None,
+                    kv_cache_usage_ratio=whole.kv_cache_usage_ratio if shared else None,
+                )
+            )
+        return out
 
     def _frame(
         self,

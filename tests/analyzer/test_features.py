@@ -72,3 +72,56 @@ def test_a_throttled_card_reads_its_clock(tmp_path: Path) -> None:
         i for i, f in enumerate(table.frames) if f.gpu != 1 and f.t_start >= ORIGIN_SECONDS + 150
     ]
     assert max(clock[throttled]) < 0.6 < min(clock[others])
+
+
+def test_a_crashed_worker_keeps_its_pool(tmp_path: Path) -> None:
+    # while w1 is down its GPU names no serving queue; it is still one of the pool's GPUs,
+    # measured against the three that absorb its work
+    table = _table("worker-crash", 240, tmp_path)
+    down = [
+        i
+        for i, f in enumerate(table.frames)
+        if f.gpu == 1 and ORIGIN_SECONDS + 150 <= f.t_start < ORIGIN_SECONDS + 210
+    ]
+    assert down and all(table.frames[i].serving_queues == 0 for i in down)
+    assert set(table.column("peer_count")[down]) == {3.0}
+    assert min(table.column("windows_without_serving")[down]) >= 1
+    assert min(table.column("peer_rho_estimate_max")[down]) > 0.1
+
+
+def test_rho_and_capacity_follow_the_load_and_the_card(tmp_path: Path) -> None:
+    # round robin gives the 4070 Ti as many requests as each 4090: its capacity is the
+    # smallest and its rho the highest
+    table = _table("slow-card-round-robin", 300, tmp_path)
+    late = [i for i, f in enumerate(table.frames) if f.t_start >= ORIGIN_SECONDS + 120]
+    slow = [i for i in late if table.frames[i].gpu == 3]
+    fast = [i for i in late if table.frames[i].gpu != 3]
+    capacity = table.column("capacity_vs_peers_best_ratio")
+    assert max(capacity[slow]) < 0.8 < min(capacity[fast])
+    rho = table.column("rho_estimate_ratio")
+    assert min(rho[slow]) > 0.85 > max(rho[fast])
+    share = table.column("work_share_vs_capacity_share_ratio")
+    assert min(share[slow]) > 1.1 > max(share[fast])
+    assert set(table.column("peer_card_differs_share")[slow]) == {1.0}
+
+
+def test_classes_sharing_one_queue_are_told_apart(tmp_path: Path) -> None:
+    # chat waits behind 3k-token summarisation jobs in one queue: the lab reports each class's
+    # requests apart, and a job takes well over the chat's time, queue wait included
+    shared = _table("mixed-interactive-batch", 240, tmp_path / "shared")
+    late = [i for i, f in enumerate(shared.frames) if f.t_start >= ORIGIN_SECONDS + 60]
+    assert set(shared.column("service_class_count")[late]) == {2.0}
+    assert float(np.median(shared.column("class_duration_ratio")[late])) > 1.5
+    split = _table("separate-pools", 240, tmp_path / "split")
+    assert set(split.column("service_class_count")) == {1.0}
+    assert np.isnan(split.column("class_duration_ratio")).all()
+
+
+def test_kv_cache_usage_shows_memory_pressure(tmp_path: Path) -> None:
+    # 13B INT8 with 800 KiB/token of KV: the cache runs far fuller than on a healthy server
+    tight = _table("fragmented-memory", 180, tmp_path / "tight")
+    healthy = _table("balanced-4x4090", 180, tmp_path / "healthy")
+    usage = tight.column("kv_cache_usage_ratio")
+    assert (
+        float(np.nanmedian(usage)) > 0.1 > float(np.nanmax(healthy.column("kv_cache_usage_ratio")))
+    )

@@ -125,3 +125,15 @@ def test_diagnose_judges_with_a_trained_model(
         == 2
     )
     assert "not a gpubalance model file" in capsys.readouterr().err
+
+
+def test_the_state_is_judged_first_then_the_cause_given_it(dataset: Dataset) -> None:
+    fitted = GpuStateClassifier(max_iter=20).fit(dataset.table, dataset.labels)
+    assert set(fitted.estimator_.classes_) <= {"starved", "overloaded", "balanced"}
+    assert set(fitted.classes_) == set(dataset.labels)
+    proba = fitted.predict_proba(dataset.table)
+    assert np.allclose(proba.sum(axis=1), 1.0)
+    states = fitted.estimator_.predict_proba(dataset.table.values)
+    for j, state in enumerate(fitted.estimator_.classes_):
+        mine = [i for i, label in enumerate(fitted.classes_) if label.startswith(state + "/")]
+        assert np.allclose(proba[:, mine].sum(axis=1), states[:, j])

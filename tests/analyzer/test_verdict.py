@@ -188,6 +188,35 @@ def test_a_gpu_at_full_clock_without_a_slowdown_reason_is_not_throttling() -> No
     assert slowed.evidence[0] == "SM clock 50 % of max (sw_thermal_slowdown)"
 
 
+def test_a_gpu_whose_worker_is_gone_is_starved_by_a_crash() -> None:
+    gone = {
+        "serving_queues": 0,
+        "queue_names": (),
+        "service_classes": (),
+        "utilization_mean_ratio": 0.0,
+        "queue_depth_mean": None,
+        "queue_depth_max": None,
+        "running_mean": None,
+        "batch_size_mean": None,
+        "completions_per_second": None,
+    }
+    frames = [_frame(0, 0), _frame(0, 1, **gone), _frame(0, 2, **gone), _frame(0, 3)]
+    table = FeatureBuilder().transform(frames)
+    verdicts = Verdicts(_Says("balanced/none")).diagnose(table).verdicts
+    assert [(v.state, v.cause) for v in verdicts] == [
+        ("balanced", "none"),
+        ("starved", "worker_crash"),
+        ("starved", "worker_crash"),
+        ("starved", "worker_crash"),  # back: persistence holds the crash one window more
+    ]
+    assert verdicts[1].evidence[0] == (
+        "no serving queue of pool llama reports from GPU 0: its worker is down"
+    )
+    # a GPU that never served a pool is not a crash: the classifier judges it
+    idle = FeatureBuilder().transform([_frame(0, 0, **gone), _frame(0, 1, **gone)])
+    assert {v.cause for v in Verdicts(_Says("balanced/none")).diagnose(idle).verdicts} == {"none"}
+
+
 def _fast(name: str, seconds: float, out: Path) -> list[Sample]:
     samples: list[Sample] = []
     lab_run.run(scenario.load(name), "fast", seconds, 1, out, on_sample=samples.append)
