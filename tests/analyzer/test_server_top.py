@@ -122,7 +122,11 @@ def test_make_demo_shows_each_gpus_verdict_live_in_a_pipe_and_ends(
         assert all(state in STATES for _, state, _, _ in rows)
         # the card the weighted round robin sends everything to
         assert rows[0][1:3] == ("overloaded", "routing_skew"), panels[-1]
-        assert "recommendations: " in panels[-1]
+        # the demo's analyzer recommends (what it says depends on how far the run got)
+        assert "without a recommender" not in panels[-1]
+        assert re.search(r"^recommend \w+ |^recommendations: none now", panels[-1], re.M), panels[
+            -1
+        ]
         assert kept and (Path(kept.group(1)) / "analyzer.log").is_file()
     finally:
         if kept:
