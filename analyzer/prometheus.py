@@ -107,6 +107,8 @@ def _promql_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# the CPU modes of the exporter's gpubalance_host_cpu_seconds_total
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 # the labels that tell a GPU's serving queues apart (besides the host and the GPU's)
 QUEUE_LABELS = ("worker", "queue", "class", "source", "tenant")
 
@@ -124,8 +126,12 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     def keep(labels: str, expression: str) -> str:
         return f"max by ({labels}) ({expression})"
 
-    slowdown = _promql_string("|".join(sorted(SLOWDOWN_REASONS)))
-    slowdowns = select("gpubalance_gpu_throttle_reason", f"reason=~{slowdown}")
+    def reasons(reason: str) -> str:
+        return select("gpubalance_gpu_throttle_reason", f"reason={_promql_string(reason)}")
+
+    def cpu(mode: str) -> str:
+        return select("gpubalance_host_cpu_seconds_total", f"mode={_promql_string(mode)}")
+
     clock, max_clock = (
         select("gpubalance_gpu_clock_hertz", 'clock="sm"'),
         select("gpubalance_gpu_max_clock_hertz", 'clock="sm"'),
@@ -170,16 +176,26 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
     return {
         "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
-        "reasons": keep(f"{gpu}, reason", f"max_over_time({slowdowns}[{w}])") + " > 0",
+        # Prometheus evaluates a query on one core: the biggest selections (a series per
+        # reason of every GPU, per mode of every CPU) go in one query per reason and mode
+        **{
+            f"reasons_{reason}": keep(
+                f"{gpu}, reason",
+                f"max_over_time({reasons(reason)}[{w}])",
+            )
+            + " > 0"
+            for reason in sorted(SLOWDOWN_REASONS)
+        },
         **{name: keep(gpu, expression) for name, expression in per_gpu.items()},
         # hosts
         "exporter_window": keep(
             host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
         ),
         "up": keep(host, f"count_over_time({select('up')}[{w}])"),
-        "cpu": (
-            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
-        ),
+        **{
+            f"cpu_{mode}": f"sum by ({host}, mode) (increase({cpu(mode)}[{w}]))"
+            for mode in CPU_MODES
+        },
         "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
         # processes holding a GPU
         "gpu_processes": keep(
@@ -244,6 +260,7 @@ class PrometheusSource:
     (``job="gpubalance"``); ``host_label`` names the label that tells hosts apart.
     ``headers`` go with every request (Mimir's ``X-Scope-OrgID``), and ``bearer_token`` as
     ``Authorization: Bearer``. ``partial_response`` is sent to Thanos when set.
+    ``max_workers`` queries are in flight at once (Prometheus runs 20 by default).
     """
 
     def __init__(
@@ -257,7 +274,7 @@ class PrometheusSource:
         host_label: str = "instance",
         scrape_interval_seconds: float | None = None,
         partial_response: bool | None = None,
-        max_workers: int = 8,
+        max_workers: int = 16,
     ) -> None:
         self.url = url
         self.timeout = timeout
@@ -692,12 +709,13 @@ class _Assembly:
         """The hosts' figures on their GPUs' rows, by GpuFrame field."""
         cpu_total = sum(
             (
-                np.nan_to_num(self.host("cpu", mode=mode))
-                for mode in ("user", "nice", "system", "irq", "softirq", "steal")
+                np.nan_to_num(self.host(f"cpu_{mode}"))
+                for mode in CPU_MODES
+                if mode not in ("idle", "iowait")
             ),
             start=np.zeros((len(self.gpu_keys), self.steps)),
         )
-        idle, iowait = self.host("cpu", mode="idle"), self.host("cpu", mode="iowait")
+        idle, iowait = self.host("cpu_idle"), self.host("cpu_iowait")
         cpu_total = cpu_total + idle + iowait  # NaN without the idle and iowait series
         with np.errstate(invalid="ignore", divide="ignore"):
             busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)
@@ -763,11 +781,12 @@ class _Assembly:
     def _reasons(self) -> list[list[frozenset[str]]]:
         """Per GPU and window, the slowdown reasons active at some scrape."""
         active: dict[int, list[tuple[str, np.ndarray]]] = {}
-        for i, labels in enumerate(self.m["reasons"].labels):
-            row = self.gpu_row.get(self._gpu_key(labels))
-            if row is not None:
-                on = ~np.isnan(self.m["reasons"].values[i])
-                active.setdefault(row, []).append((labels.get("reason", ""), on))
+        for reason in sorted(SLOWDOWN_REASONS):
+            matrix = self.m[f"reasons_{reason}"]
+            for labels, values in zip(matrix.labels, matrix.values, strict=True):
+                row = self.gpu_row.get(self._gpu_key(labels))
+                if row is not None:
+                    active.setdefault(row, []).append((labels.get("reason", ""), ~np.isnan(values)))
         none: frozenset[str] = frozenset()
         return [
             [frozenset(r for r, on in active[g] if on[k]) for k in range(self.steps)]
