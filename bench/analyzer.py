@@ -19,7 +19,8 @@ timed per stage, for the latest window and for the source's default range, media
 runs, on one pinned core. The verdicts are checked against the states the lab's ground truth
 planted. Results: bench/RESULTS.md ("analyzer-scale") and bench/analyzer.png.
 
-    python bench/analyzer.py [--hosts 1000] [--minutes 12] [--scrape 15] [--repeats 5]
+    python bench/analyzer.py [--hosts 1000] [--minutes 12] [--scrape 15] [--repeats 3]
+                             [--keep DIR]
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=12.0, help="of telemetry per host")
     parser.add_argument("--scrape", type=float, default=15.0, help="scrape interval, seconds")
     parser.add_argument("--seeds", type=int, default=3, help="lab runs per kind of host")
-    parser.add_argument("--repeats", type=int, default=5, help="timed diagnoses (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed diagnoses (median)")
     parser.add_argument("--windows", type=int, default=20, help="windows of the long range")
     parser.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: last)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the TSDB in this folder")
@@ -535,12 +536,38 @@ def report(
         f"{GOAL_GPU_WINDOWS_PER_SECOND:,.0f} GPU-windows/s on one core (features + verdicts): "
         f"measured {classify:,.0f}. " + ("Both met." if met else "Not met: see the stages."),
         "",
+        _where_the_time_goes(latest),
+        "",
         "![fleet diagnosis stages and throughput](analyzer.png)",
     ]
     write_section("analyzer-scale", "Analyzer: fleet diagnosis from Prometheus", "\n".join(lines))
     plot(results, rates)
     print("\n".join(lines))
     return met
+
+
+def _where_the_time_goes(latest: Sequence[Timed]) -> str:
+    cpu = {k: _median([t.cpu_seconds[k] for t in latest]) for k in latest[0].cpu_seconds}
+    analyzer = cpu["source"] + cpu["features"] + cpu["verdicts"]
+    return (
+        f"Where the time goes (latest window, CPU seconds): Prometheus {cpu['prometheus']:.2f} "
+        f"({_query_count()} range queries, each over a series per host, GPU, queue or CPU of the "
+        "fleet, 16 in flight: each runs on one of its cores), the analyzer "
+        f"{analyzer:.2f}: source (parse and frames) {cpu['source']:.2f}, features "
+        f"{cpu['features']:.2f}, verdicts {cpu['verdicts']:.2f}. The wall times above are "
+        "those CPU seconds stretched by the machine's other load; the CPU figures are what the "
+        "diagnosis itself costs. The features (`analyzer/features.py`) are the largest share of "
+        "the analyzer's: a Python loop per row that takes medians and means of a few peers' "
+        "values with numpy calls (a robust z-score per figure per row, each pool's statistics "
+        "recomputed for each of its GPUs) and a Theil-Sen slope over every pair of a GPU's past "
+        "windows; per pool and window in numpy arrays they would cost a fraction of that."
+    )
+
+
+def _query_count() -> int:
+    from gpubalance.analyzer.prometheus import _queries
+
+    return len(_queries(lambda metric, *matchers: metric, "30s", "instance"))
 
 
 def _rates(timed: Sequence[Timed]) -> dict[str, tuple[float, float]]:
