@@ -47,9 +47,10 @@ responses as warnings) are logged and kept in :attr:`PrometheusSource.last_warni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import gzip
-import json
 import logging
 import math
 import re
@@ -57,12 +58,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import SourceError
@@ -105,6 +107,12 @@ def _promql_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# the CPU modes of the exporter's gpubalance_host_cpu_seconds_total
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+# the labels that tell a GPU's serving queues apart (besides the host and the GPU's)
+QUEUE_LABELS = ("worker", "queue", "class", "source", "tenant")
+
+
 def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     """Every figure of a frame, one PromQL expression each (``select`` writes a selector).
 
@@ -113,13 +121,17 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
     of two series of one exporter (two jobs scraping it) one is kept.
     """
     gpu = f"{host}, gpu, uuid"
-    queue = f"{gpu}, worker, queue, class, source, tenant"
+    queue = ", ".join((gpu, *QUEUE_LABELS))
 
     def keep(labels: str, expression: str) -> str:
         return f"max by ({labels}) ({expression})"
 
-    slowdown = _promql_string("|".join(sorted(SLOWDOWN_REASONS)))
-    slowdowns = select("gpubalance_gpu_throttle_reason", f"reason=~{slowdown}")
+    def reasons(reason: str) -> str:
+        return select("gpubalance_gpu_throttle_reason", f"reason={_promql_string(reason)}")
+
+    def cpu(mode: str) -> str:
+        return select("gpubalance_host_cpu_seconds_total", f"mode={_promql_string(mode)}")
+
     clock, max_clock = (
         select("gpubalance_gpu_clock_hertz", 'clock="sm"'),
         select("gpubalance_gpu_max_clock_hertz", 'clock="sm"'),
@@ -164,16 +176,26 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
     return {
         "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
-        "reasons": keep(f"{gpu}, reason", f"max_over_time({slowdowns}[{w}])") + " > 0",
+        # Prometheus evaluates a query on one core: the biggest selections (a series per
+        # reason of every GPU, per mode of every CPU) go in one query per reason and mode
+        **{
+            f"reasons_{reason}": keep(
+                f"{gpu}, reason",
+                f"max_over_time({reasons(reason)}[{w}])",
+            )
+            + " > 0"
+            for reason in sorted(SLOWDOWN_REASONS)
+        },
         **{name: keep(gpu, expression) for name, expression in per_gpu.items()},
         # hosts
         "exporter_window": keep(
             host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
         ),
         "up": keep(host, f"count_over_time({select('up')}[{w}])"),
-        "cpu": (
-            f"sum by ({host}, mode) (increase({select('gpubalance_host_cpu_seconds_total')}[{w}]))"
-        ),
+        **{
+            f"cpu_{mode}": f"sum by ({host}, mode) (increase({cpu(mode)}[{w}]))"
+            for mode in CPU_MODES
+        },
         "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
         # processes holding a GPU
         "gpu_processes": keep(
@@ -238,6 +260,7 @@ class PrometheusSource:
     (``job="gpubalance"``); ``host_label`` names the label that tells hosts apart.
     ``headers`` go with every request (Mimir's ``X-Scope-OrgID``), and ``bearer_token`` as
     ``Authorization: Bearer``. ``partial_response`` is sent to Thanos when set.
+    ``max_workers`` queries are in flight at once (Prometheus runs 20 by default).
     """
 
     def __init__(
@@ -251,7 +274,7 @@ class PrometheusSource:
         host_label: str = "instance",
         scrape_interval_seconds: float | None = None,
         partial_response: bool | None = None,
-        max_workers: int = 8,
+        max_workers: int = 16,
     ) -> None:
         self.url = url
         self.timeout = timeout
@@ -263,6 +286,8 @@ class PrometheusSource:
         self.partial_response = partial_response
         self.max_workers = max_workers
         self.last_warnings: tuple[str, ...] = ()
+        # seconds of the last frames() call: waiting on the queries, parsing, building frames
+        self.last_timings: dict[str, float] = {}
 
     @property
     def description(self) -> str:
@@ -271,6 +296,10 @@ class PrometheusSource:
     # -- HTTP ------------------------------------------------------------------------------------
 
     def _request(self, path: str, form: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return _decode(*self._fetch(path, form))
+
+    def _fetch(self, path: str, form: Mapping[str, str] | None = None) -> tuple[bytes, str]:
+        """An answer's body, and what was asked (for messages)."""
         target = self.url.rstrip("/") + path
         headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
         if self.bearer_token:
@@ -297,13 +326,9 @@ class PrometheusSource:
             reason = getattr(exc, "reason", exc)
             raise SourceError(f"{target}: cannot reach Prometheus: {reason}") from None
         try:
-            raw = gzip.decompress(raw) if encoding == "gzip" else raw
-            body = json.loads(raw)
-        except (ValueError, OSError) as exc:
+            return (gzip.decompress(raw) if encoding == "gzip" else raw), what
+        except OSError as exc:
             raise SourceError(f"{what}: not a Prometheus API answer: {exc}") from None
-        if not isinstance(body, dict) or body.get("status") != "success":
-            raise SourceError(f"{what}: {_error_text(raw)}")
-        return body
 
     def build_info(self) -> dict[str, Any]:
         """``/api/v1/status/buildinfo``: what answers (Prometheus, Thanos and Mimir have it)."""
@@ -330,8 +355,13 @@ class PrometheusSource:
         self, query: str, first_end: float, step: float, steps: int
     ) -> tuple[Matrix, list[str]]:
         """One range query evaluated at ``first_end + k·step``, in pieces Prometheus accepts."""
-        parts: list[Matrix] = []
-        warnings: list[str] = []
+        return self._parse_range(query, step, self._fetch_range(query, first_end, step, steps))
+
+    def _fetch_range(
+        self, query: str, first_end: float, step: float, steps: int
+    ) -> list[tuple[bytes, str, float, int]]:
+        """The answers to a range query's pieces: (body, what was asked, first step, steps)."""
+        pieces = []
         for offset in range(0, steps, MAX_STEPS):
             count = min(MAX_STEPS, steps - offset)
             start = first_end + offset * step
@@ -346,7 +376,16 @@ class PrometheusSource:
             }
             if self.partial_response is not None:
                 form["partial_response"] = "true" if self.partial_response else "false"
-            body = self._request("/api/v1/query_range", form)
+            pieces.append((*self._fetch("/api/v1/query_range", form), start, count))
+        return pieces
+
+    def _parse_range(
+        self, query: str, step: float, pieces: Sequence[tuple[bytes, str, float, int]]
+    ) -> tuple[Matrix, list[str]]:
+        parts: list[Matrix] = []
+        warnings: list[str] = []
+        for raw, what, start, count in pieces:
+            body = _decode(raw, what)
             for key in ("warnings", "infos"):
                 warnings.extend(str(w) for w in body.get(key) or ())
             try:
@@ -379,7 +418,7 @@ class PrometheusSource:
         steps = _align(end / w, math.floor) - first
         first_end = (first + 1) * w
         if steps <= 0 or (hosts is not None and not hosts):
-            self.last_warnings = ()
+            self.last_warnings, self.last_timings = (), {}
             return []
         matchers = [self.selector.strip()] if self.selector.strip() else []
         if hosts is not None:
@@ -391,14 +430,30 @@ class PrometheusSource:
             return metric + "{" + inside + "}" if inside else metric
 
         queries = _queries(select, _duration(w), self.host_label)
+        with _collection_paused():
+            return self._frames(queries, first_end, w, steps)
+
+    def _frames(
+        self, queries: Mapping[str, str], first_end: float, w: float, steps: int
+    ) -> list[GpuFrame]:
+        began = time.perf_counter()
+        parsing = 0.0
         with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
             futures = {
-                name: pool.submit(self.query_range, query, first_end, w, steps)
+                name: pool.submit(self._fetch_range, query, first_end, w, steps)
                 for name, query in queries.items()
             }
             # every query runs to its end, and the error raised is that of the first query in
-            # this order that failed: one fault, one message, whichever answer came first
-            answers = {name: future.result() for name, future in futures.items()}
+            # this order that failed: one fault, one message, whichever answer came first.
+            # Answers are parsed here, one at a time while the others are on their way: the
+            # threads only wait on the network, which they do without holding the GIL
+            answers = {}
+            for name, future in futures.items():
+                pieces = future.result()
+                parse_began = time.perf_counter()
+                answers[name] = self._parse_range(queries[name], w, pieces)
+                parsing += time.perf_counter() - parse_began
+        fetched = time.perf_counter() - began
         warnings: list[str] = []
         for _, said in answers.values():
             for text in said:
@@ -408,15 +463,47 @@ class PrometheusSource:
             log.warning("%s: %s", self.url, warning)
         self.last_warnings = tuple(warnings)
         matrices = {name: matrix for name, (matrix, _) in answers.items()}
-        return _Assembly(matrices, self.host_label, first_end, w, steps).frames(
+        began = time.perf_counter()
+        frames = _Assembly(matrices, self.host_label, first_end, w, steps).frames(
             self.scrape_interval_seconds
         )
+        self.last_timings = {
+            "query": fetched - parsing,
+            "parse": parsing,
+            "frames": time.perf_counter() - began,
+        }
+        return frames
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the while: a fleet's answers make 10^6
+    objects, and the collections they trigger, each scanning every object alive, would take as
+    long as the parsing itself. Nothing made here holds a cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode(raw: bytes, what: str) -> dict[str, Any]:
+    """A successful answer's JSON body (orjson: a fleet's answers are tens of megabytes)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SourceError(f"{what}: not a Prometheus API answer: {exc}") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        raise SourceError(f"{what}: {_error_text(raw)}")
+    return body
 
 
 def _error_text(raw: bytes) -> str:
     """Prometheus' own words for a failed request (its JSON error, else the body's start)."""
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
     except ValueError:
         return raw[:200].decode(errors="replace").strip() or "empty answer"
     if isinstance(body, dict) and "error" in body:
@@ -482,6 +569,11 @@ class _Assembly:
     def _gpu_key(self, labels: Mapping[str, str]) -> tuple[str, str, str]:
         return labels.get(self.host_label, ""), labels.get("gpu", ""), labels.get("uuid", "")
 
+    def _gpu_rows(self, labels: Sequence[Mapping[str, str]]) -> list[int]:
+        """Each series' GPU row (-1: none): ``_gpu_key`` inlined, 10^5 series a fleet."""
+        row, host = self.gpu_row.get, self.host_label
+        return [row((s.get(host, ""), s.get("gpu", ""), s.get("uuid", "")), -1) for s in labels]
+
     def _empty(self, rows: int) -> np.ndarray:
         return np.full((rows, self.steps), np.nan)
 
@@ -497,8 +589,9 @@ class _Assembly:
     def gpu(self, name: str) -> np.ndarray:
         """A per-GPU query on the GPU rows."""
         matrix = self.m[name]
-        rows = [self.gpu_row.get(self._gpu_key(labels), -1) for labels in matrix.labels]
-        return self._place(self._empty(len(self.gpu_keys)), rows, matrix.values)
+        return self._place(
+            self._empty(len(self.gpu_keys)), self._gpu_rows(matrix.labels), matrix.values
+        )
 
     def host(self, name: str, **where: str) -> np.ndarray:
         """A per-host query (the series whose labels hold ``where``) on the GPU rows."""
@@ -522,11 +615,16 @@ class _Assembly:
 
     def _serving(self) -> tuple[list[tuple[int, Mapping[str, str]]], dict[str, np.ndarray]]:
         """The serving series on a GPU, and each serving query on those series' rows."""
-        rows: dict[tuple[tuple[str, str], ...], int] = {}
+        # a series' identity: the serving queries keep only these labels (``max by``)
+        names = (self.host_label, "gpu", "uuid", *QUEUE_LABELS)
+        keys = {
+            name: [tuple(map(labels.get, names)) for labels in self.m[name].labels]
+            for name in SERVING_QUERIES
+        }
+        rows: dict[tuple[str | None, ...], int] = {}
         series: list[tuple[int, Mapping[str, str]]] = []
         for name in SERVING_QUERIES:
-            for labels in self.m[name].labels:
-                key = _key(labels)
+            for key, labels in zip(keys[name], self.m[name].labels, strict=True):
                 if key in rows:
                     continue
                 gpu = self._gpu_of(labels)
@@ -536,7 +634,7 @@ class _Assembly:
         values = {
             name: self._place(
                 self._empty(len(series)),
-                [rows.get(_key(labels), -1) for labels in self.m[name].labels],
+                [rows.get(key, -1) for key in keys[name]],
                 self.m[name].values,
             )
             for name in SERVING_QUERIES
@@ -611,12 +709,13 @@ class _Assembly:
         """The hosts' figures on their GPUs' rows, by GpuFrame field."""
         cpu_total = sum(
             (
-                np.nan_to_num(self.host("cpu", mode=mode))
-                for mode in ("user", "nice", "system", "irq", "softirq", "steal")
+                np.nan_to_num(self.host(f"cpu_{mode}"))
+                for mode in CPU_MODES
+                if mode not in ("idle", "iowait")
             ),
             start=np.zeros((len(self.gpu_keys), self.steps)),
         )
-        idle, iowait = self.host("cpu", mode="idle"), self.host("cpu", mode="iowait")
+        idle, iowait = self.host("cpu_idle"), self.host("cpu_iowait")
         cpu_total = cpu_total + idle + iowait  # NaN without the idle and iowait series
         with np.errstate(invalid="ignore", divide="ignore"):
             busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)
@@ -682,11 +781,12 @@ class _Assembly:
     def _reasons(self) -> list[list[frozenset[str]]]:
         """Per GPU and window, the slowdown reasons active at some scrape."""
         active: dict[int, list[tuple[str, np.ndarray]]] = {}
-        for i, labels in enumerate(self.m["reasons"].labels):
-            row = self.gpu_row.get(self._gpu_key(labels))
-            if row is not None:
-                on = ~np.isnan(self.m["reasons"].values[i])
-                active.setdefault(row, []).append((labels.get("reason", ""), on))
+        for reason in sorted(SLOWDOWN_REASONS):
+            matrix = self.m[f"reasons_{reason}"]
+            for labels, values in zip(matrix.labels, matrix.values, strict=True):
+                row = self.gpu_row.get(self._gpu_key(labels))
+                if row is not None:
+                    active.setdefault(row, []).append((labels.get("reason", ""), ~np.isnan(values)))
         none: frozenset[str] = frozenset()
         return [
             [frozenset(r for r, on in active[g] if on[k]) for k in range(self.steps)]
@@ -717,44 +817,51 @@ class _Assembly:
             "feeder_read_bytes_per_second": reads,
             **self._host_figures(),
         }
-        # every field as nested lists of Python objects (None where NaN), made once for all
-        # frames: a fleet has 10^5 frames, each one zip of these
-        fields: dict[str, list[list[Any]]] = {
-            name: _objects(values).tolist() for name, values in figures.items()
+        # every field as one list of Python objects (None where NaN) over (GPU, window) in
+        # GPU-major order, made once for all frames: a fleet has 10^5 frames, each one zip of
+        # these
+        fields: dict[str, list[Any]] = {
+            name: _objects(values).ravel().tolist() for name, values in figures.items()
         }
         t_ends = [self.first_end + k * w for k in range(n)]
+
+        def each_window(per_gpu: Sequence[Any]) -> list[Any]:
+            return [value for value in per_gpu for _ in range(n)]
+
+        def flat(per_step: Sequence[Sequence[Any]]) -> list[Any]:
+            return [value for row in per_step for value in row]
+
         fields.update(
-            queue_labels,
-            host=[[h] * n for h, _, _ in self.gpu_keys],
-            gpu=[[_index(i)] * n for _, i, _ in self.gpu_keys],
-            uuid=[[u] * n for _, _, u in self.gpu_keys],
-            card=[[labels.get("name") or None] * n for labels in self.gpu_labels],
-            t_start=[[t - w for t in t_ends]] * gpus,
-            t_end=[t_ends] * gpus,
+            {name: flat(values) for name, values in queue_labels.items()},
+            host=each_window([h for h, _, _ in self.gpu_keys]),
+            gpu=each_window([_index(i) for _, i, _ in self.gpu_keys]),
+            uuid=each_window([u for _, _, u in self.gpu_keys]),
+            card=each_window([labels.get("name") or None for labels in self.gpu_labels]),
+            t_start=[t - w for t in t_ends] * gpus,
+            t_end=t_ends * gpus,
             # fresh readings, as the snapshot path counts them: neither lost nor stale
-            sample_count=(scrapes - lost - stale).astype(int).tolist(),
-            stale_sample_count=stale.astype(int).tolist(),
+            sample_count=(scrapes - lost - stale).astype(int).ravel().tolist(),
+            stale_sample_count=stale.astype(int).ravel().tolist(),
             # which call a stale GPU hangs in is a label of its stale series; not joined here
-            stale_call=[[None] * n for _ in range(gpus)],
+            stale_call=[None] * (gpus * n),
             # per-class request durations and KV cache usage are not among the series queried
-            class_duration_ratio=[[None] * n for _ in range(gpus)],
-            kv_cache_usage_ratio=[[None] * n for _ in range(gpus)],
-            expected_sample_count=[[int(e)] * n for e in expected],
-            lost=(lost > 0).tolist(),
-            memory_used_bytes=_objects(self.gpu("memory_used"), int).tolist(),
-            memory_total_bytes=_objects(self.gpu("memory_total"), int).tolist(),
-            throttle_reasons=self._reasons(),
-            feeder_processes=processes.astype(int).tolist(),
+            class_duration_ratio=[None] * (gpus * n),
+            kv_cache_usage_ratio=[None] * (gpus * n),
+            expected_sample_count=each_window([int(e) for e in expected]),
+            lost=(lost > 0).ravel().tolist(),
+            memory_used_bytes=_objects(self.gpu("memory_used"), int).ravel().tolist(),
+            memory_total_bytes=_objects(self.gpu("memory_total"), int).ravel().tolist(),
+            throttle_reasons=flat(self._reasons()),
+            feeder_processes=processes.astype(int).ravel().tolist(),
         )
         order = [f.name for f in dataclasses.fields(GpuFrame)]
-        by_step: list[list[GpuFrame]] = [[] for _ in range(n)]
-        present = (~np.isnan(self.gpu("info"))).tolist()
-        for g in range(gpus):
-            frames = zip(*(fields[name][g] for name in order), strict=True)
-            for k, (here, args) in enumerate(zip(present[g], frames, strict=True)):
-                if here:
-                    by_step[k].append(GpuFrame(*args))
-        return [frame for step in by_step for frame in step]
+        present = (~np.isnan(self.gpu("info"))).ravel().tolist()
+        columns = zip(*(fields[name] for name in order), strict=True)
+        made = [
+            GpuFrame(*args) if here else None for here, args in zip(present, columns, strict=True)
+        ]
+        # in time order, then host and GPU: window k of GPU g is at g·n + k
+        return [f for k in range(n) for g in range(gpus) if (f := made[g * n + k]) is not None]
 
 
 def _objects(values: np.ndarray, kind: type = float) -> np.ndarray:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ TAKES_WORK: frozenset[Cause] = frozenset({"routing_skew", "low_demand"})
 # a peer queue at least this many batches counts as "work waiting" for the fleet verdict
 QUEUED_BATCHES = 1.0
 JUDGED: tuple[State, ...] = ("starved", "overloaded", "balanced")
+STATES_SUMMED: tuple[State, ...] = (*JUDGED, "unknown")
 
 
 class Classifier(Protocol):
@@ -105,30 +107,55 @@ def _known(value: float) -> bool:
 
 
 class _Context:
-    """Row lookups shared by the rules and the evidence: a frame's peers in its window."""
+    """Row lookups shared by the rules and the evidence: a frame's peers in its window.
+
+    A fleet's table has 10^5 rows, each the peer of a few others: each frame's finite copy and
+    features row are made once, when first asked for.
+    """
 
     def __init__(self, table: FeatureTable) -> None:
         self.table = table
         self.pools: dict[tuple[str, str, float], list[int]] = {}
         for i, frame in enumerate(table.frames):
             self.pools.setdefault((frame.host, pool_name(frame), frame.t_start), []).append(i)
+        self._finite: list[GpuFrame | None] = [None] * len(table.frames)
+        self._values = table.values.tolist()
+
+    def finite(self, row: int) -> GpuFrame:
+        frame = self._finite[row]
+        if frame is None:
+            frame = self._finite[row] = _finite(self.table.frames[row])
+        return frame
+
+    def row(self, row: int) -> dict[str, float]:
+        """The row's features by column, as ``table.row``."""
+        return dict(zip(self.table.columns, self._values[row], strict=True))
 
     def peers(self, row: int) -> list[GpuFrame]:
+        """The frames of the row's pool in its window that have readings, finite."""
         frame = self.table.frames[row]
         key = (frame.host, pool_name(frame), frame.t_start)
         return [
-            self.table.frames[i]
+            self.finite(i)
             for i in self.pools[key]
             if i != row and self.table.frames[i].sample_count > 0
         ]
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(GpuFrame))
+_FIELD_VALUES = operator.attrgetter(*_FIELDS)
+
+
 def _finite(frame: GpuFrame) -> GpuFrame:
     """The frame with NaN or infinite figures (a damaged recording) as None: unknown."""
+    values = _FIELD_VALUES(frame)
+    # a sum of finite figures is finite (or overflows: then each is looked at)
+    if math.isfinite(sum(v for v in values if isinstance(v, float))):
+        return frame
     bad = {
-        f.name: None
-        for f in dataclasses.fields(frame)
-        if isinstance(value := getattr(frame, f.name), float) and not math.isfinite(value)
+        name: None
+        for name, value in zip(_FIELDS, values, strict=True)
+        if isinstance(value, float) and not math.isfinite(value)
     }
     return dataclasses.replace(frame, **bad) if bad else frame
 
@@ -136,6 +163,18 @@ def _finite(frame: GpuFrame) -> GpuFrame:
 def _median(values: Iterable[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def _state_probabilities(
+    probabilities: np.ndarray, labels: Sequence[tuple[State, Cause]]
+) -> list[list[float]]:
+    """Per row, each of :data:`STATES_SUMMED`' probability: the sum of its labels' (NaN as 0),
+    added in label order, as the rows' own loop would."""
+    known = np.where(np.isnan(probabilities), 0.0, probabilities)
+    sums = np.zeros((len(STATES_SUMMED), len(probabilities)))
+    for column, (state, _) in enumerate(labels):
+        sums[STATES_SUMMED.index(state)] += known[:, column]
+    return sums.T.tolist()
 
 
 def _unknown_reason(
@@ -204,9 +243,9 @@ class _Evidence:
         self.context = context
 
     def sentences(self, row: int, state: State, cause: Cause) -> list[str]:
-        frame = _finite(self.context.table.frames[row])
-        features = self.context.table.row(row)
-        peers = [_finite(p) for p in self.context.peers(row)]
+        frame = self.context.finite(row)
+        features = self.context.row(row)
+        peers = self.context.peers(row)
         found = {
             "load": self._load(frame, features, peers),
             "clock": self._clock(frame, cause),
@@ -405,8 +444,11 @@ class Verdicts:
     def _judge(self, table: FeatureTable, context: _Context) -> list[tuple[Verdict, int | None]]:
         if not table.frames:
             return []
-        probabilities = self.classifier.predict_proba(table)
         labels = [split_label(str(label)) for label in self.classifier.classes_]
+        matrix = np.asarray(self.classifier.predict_proba(table), dtype=np.float64)
+        states = _state_probabilities(matrix, labels)
+        # Python floats, converted once for all rows: the rows are judged one by one
+        probabilities = matrix.tolist()
         evidence = _Evidence(context)
         by_gpu: dict[tuple[str, str], list[int]] = {}
         windows: dict[str, set[float]] = {}  # host -> the windows it reported
@@ -428,7 +470,7 @@ class Verdicts:
                     out.append((self._missing(last, first + index * seconds, track), None))
                     continue
                 last = table.frames[row]
-                verdict = self._step(row, probabilities[row], labels, track, evidence)
+                verdict = self._step(row, probabilities[row], states[row], labels, track, evidence)
                 out.append((verdict, row))
         return out
 
@@ -455,7 +497,8 @@ class Verdicts:
     def _step(
         self,
         row: int,
-        probabilities: np.ndarray,
+        probabilities: Sequence[float],
+        state_probabilities: Sequence[float],
         labels: Sequence[tuple[State, Cause]],
         track: _Track,
         evidence: _Evidence,
@@ -497,13 +540,13 @@ class Verdicts:
                 *evidence.sentences(row, "starved", "worker_crash"),
             ]
             return verdict("starved", "worker_crash", 1.0, sentences, None)
-        states, causes = self._distribution(frame, probabilities, labels)
-        best = max(JUDGED, key=lambda s: states[s])
+        states = dict(zip(STATES_SUMMED, state_probabilities, strict=True))
+        best = max(JUDGED, key=states.__getitem__)
         if states["unknown"] >= states[best]:
             track.reset()
-            why = self._unjudgeable(evidence.context.table.row(row))
+            why = self._unjudgeable(evidence.context.row(row))
             return verdict("unknown", "none", states["unknown"], [why], why)
-        candidate = (best, max(causes[best], key=causes[best].__getitem__))
+        candidate = (best, self._cause(frame, best, probabilities, labels))
         notes: list[str] = []
         if track.held is None:
             track.held = candidate
@@ -515,31 +558,32 @@ class Verdicts:
         sentences = evidence.sentences(row, state, cause) + [n for n in notes if n]
         return verdict(state, cause, states[state], sentences, None)
 
-    def _distribution(
-        self, frame: GpuFrame, probabilities: np.ndarray, labels: Sequence[tuple[State, Cause]]
-    ) -> tuple[dict[State, float], dict[State, dict[Cause, float]]]:
-        """Probability per state and per cause within it, with ruled-out causes moved to the
-        state's likeliest allowed cause."""
+    @staticmethod
+    def _cause(
+        frame: GpuFrame,
+        state: State,
+        probabilities: Sequence[float],
+        labels: Sequence[tuple[State, Cause]],
+    ) -> Cause:
+        """The likeliest cause of ``state``, ruled-out causes' probability moved to the state's
+        likeliest allowed cause first."""
         ruled_out = _ruled_out(frame)
-        states: dict[State, float] = {s: 0.0 for s in (*JUDGED, "unknown")}
-        causes: dict[State, dict[Cause, float]] = {s: {} for s in JUDGED}
-        moved: dict[State, float] = {s: 0.0 for s in JUDGED}
-        for (state, cause), p in zip(labels, probabilities.tolist(), strict=True):
-            p = 0.0 if math.isnan(p) else p
-            states[state] += p
-            if state == "unknown":
+        causes: dict[Cause, float] = {}
+        moved = 0.0
+        for (of, cause), p in zip(labels, probabilities, strict=True):
+            if of != state:
                 continue
+            p = 0.0 if math.isnan(p) else p
             if cause in ruled_out:
-                moved[state] += p
+                moved += p
             else:
-                causes[state][cause] = causes[state].get(cause, 0.0) + p
-        for state in JUDGED:
-            allowed = {c: p for c, p in causes[state].items() if p > 0}
-            target = max(allowed, key=allowed.__getitem__) if allowed else FALLBACK_CAUSE[state]
-            if target not in CAUSES_OF[state]:
-                target = FALLBACK_CAUSE[state]
-            causes[state][target] = causes[state].get(target, 0.0) + moved[state]
-        return states, causes
+                causes[cause] = causes.get(cause, 0.0) + p
+        allowed = {c: p for c, p in causes.items() if p > 0}
+        target = max(allowed, key=allowed.__getitem__) if allowed else FALLBACK_CAUSE[state]
+        if target not in CAUSES_OF[state]:
+            target = FALLBACK_CAUSE[state]
+        causes[target] = causes.get(target, 0.0) + moved
+        return max(causes, key=causes.__getitem__)
 
     def _change(
         self, track: _Track, candidate: tuple[State, Cause], states: Mapping[State, float]
