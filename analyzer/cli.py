@@ -155,27 +155,12 @@ def _load_model(path: Path) -> Classifier:
 
 
 def _frames(source: str, window_seconds: float) -> list[GpuFrame]:
-    """The frames of a source: the one place a new kind of source plugs in."""
+    """The frames of a source: a lab run directory, an exporter or a Prometheus API (Thanos,
+    Mimir), whichever answers (``sources.open_source``)."""
     from gpubalance.analyzer import sources
 
     try:
-        if source.startswith(("http://", "https://")):
-            latest = sources.fetch_snapshot(source, 0)
-            # as much history as the exporter keeps (its trend window), none of it twice
-            history = int(latest.trend_window_seconds / latest.interval_seconds)
-            recording = sources.exporter_recording(source, history)
-            # the history starts inside a window and the newest sample's window has not
-            # ended: both are incomplete by the source's doing, not the GPUs'
-            start = recording.samples[0].timestamp_seconds - recording.interval_seconds
-            now = recording.samples[-1].timestamp_seconds
-            frames = recording.frames(window_seconds)
-            return [f for f in sources.complete_windows(frames, now) if f.t_start >= start]
-        path = Path(source)
-        if not path.is_dir():
-            raise DiagnoseError(
-                f"--from {source}: not a directory or an http(s):// URL of an exporter"
-            )
-        return sources.lab_run_frames(path, window_seconds)
+        return sources.open_source(source).frames(None, None, window_seconds)
     except sources.SourceError as exc:
         raise DiagnoseError(str(exc)) from None
     except ValueError as exc:  # a window shorter than the source's sampling interval

@@ -179,8 +179,16 @@ class ExporterSource:
         # all the history it keeps: the exporter says how many samples that is
         history = int(snapshot.trend_window_seconds / snapshot.interval_seconds) + 1
         recording = exporter_recording(self.url, history, self.timeout)
+        # the history starts inside a window and the newest sample's window has not ended:
+        # both are incomplete by the source's doing, not the GPUs'
+        first = recording.samples[0].timestamp_seconds - recording.interval_seconds
         last = recording.samples[-1].timestamp_seconds
-        return _within(complete_windows(recording.frames(window_seconds), last), start, end, hosts)
+        frames = [
+            f
+            for f in complete_windows(recording.frames(window_seconds), last)
+            if f.t_start >= first
+        ]
+        return _within(frames, start, end, hosts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,9 +243,14 @@ def test_bad_sources_exit_2_with_the_reason(
     empty = diagnose("--from", str(tmp_path))
     assert empty.returncode == 2 and "not a lab run directory" in empty.stderr
     missing = diagnose("--from", str(tmp_path / "nowhere"))
-    assert missing.returncode == 2 and "not a directory or an http(s):// URL" in missing.stderr
+    assert missing.returncode == 2 and "neither a URL (http://, https://) nor a lab run" in (
+        missing.stderr
+    )
     dead = diagnose("--from", "http://127.0.0.1:9")
-    assert dead.returncode == 2 and "cannot reach the exporter" in dead.stderr
+    assert dead.returncode == 2 and "neither a Prometheus API nor a gpubalance exporter" in (
+        dead.stderr
+    )
+    assert "cannot reach Prometheus" in dead.stderr and "cannot reach the exporter" in dead.stderr
     (tmp_path / "frames.csv").write_text("t,gpu\n1,0\n")
     broken = diagnose("--from", str(tmp_path))
     assert broken.returncode == 2 and "missing columns utilization, uuid" in broken.stderr
