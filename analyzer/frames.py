@@ -78,6 +78,8 @@ class GpuFrame:
     # sample_count; stale_call is the pynvml function the last of them waited in
     stale_sample_count: int = 0
     stale_call: str | None = None
+    # the serving workers of its queues (HAProxy server names in the lab): whom a weight is for
+    workers: tuple[str, ...] = ()
     # the slowest service class's mean request duration over the fastest's, where the GPU's
     # queues report classes apart (None: fewer than two classes completed in the window)
     class_duration_ratio: float | None = None
@@ -351,6 +353,7 @@ def _gpu_frame(
         allocation_failures=serving.increase_of("allocation_failures_total"),
         service_classes=serving.classes,
         queue_names=tuple(sorted({key[2] for key in serving.series})),
+        workers=tuple(sorted({key[0] for key in serving.series})),
         feeder_processes=len(pids),
         feeder_cpu_cores_max=feeder_cores,
         feeder_read_bytes_per_second=feeder_reads,

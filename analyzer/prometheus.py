@@ -536,7 +536,7 @@ def _join_steps(parts: Sequence[Matrix]) -> Matrix:
 
 
 # a GPU's serving queues in a window: how many, their service classes, their names
-_QueueLabels = tuple[int, tuple[str, ...], tuple[str, ...]]
+_QueueLabels = tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
 
 class _Assembly:
@@ -759,7 +759,7 @@ class _Assembly:
             queues_of.setdefault(gpu, []).append(i)
         # the labels of each set of queues a GPU had listed, computed once per set
         labels_of: dict[tuple[int | bool, ...], _QueueLabels] = {}
-        queues, classes, names = [], [], []
+        queues, classes, names, workers = [], [], [], []
         for g in range(len(self.gpu_keys)):
             mine = queues_of.get(g, [])
             per_step = []
@@ -771,12 +771,19 @@ class _Assembly:
                         len({(q.get("worker"), q.get("source"), q.get("queue")) for q in on}),
                         tuple(sorted({c for q in on if (c := q.get("class", ""))})),
                         tuple(sorted({q.get("queue", "") for q in on})),
+                        tuple(sorted({w for q in on if (w := q.get("worker", ""))})),
                     )
                 per_step.append(labels_of[key])
-            queues.append([q for q, _, _ in per_step])
-            classes.append([c for _, c, _ in per_step])
-            names.append([q for _, _, q in per_step])
-        return figures, {"serving_queues": queues, "service_classes": classes, "queue_names": names}
+            queues.append([q for q, _, _, _ in per_step])
+            classes.append([c for _, c, _, _ in per_step])
+            names.append([q for _, _, q, _ in per_step])
+            workers.append([w for _, _, _, w in per_step])
+        return figures, {
+            "serving_queues": queues,
+            "service_classes": classes,
+            "queue_names": names,
+            "workers": workers,
+        }
 
     def _reasons(self) -> list[list[frozenset[str]]]:
         """Per GPU and window, the slowdown reasons active at some scrape."""

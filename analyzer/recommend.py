@@ -114,9 +114,16 @@ class Recommender:
         pools: dict[tuple[str, str], list[_Held]] = {}
         for item in held.values():
             pools.setdefault((item.verdict.host, item.verdict.pool), []).append(item)
+        # the workers behind each GPU, as its latest frame that names any has them
+        workers: dict[tuple[str, int], tuple[str, ...]] = {}
+        for frame in sorted(table.frames, key=lambda f: f.t_start):
+            if frame.workers:
+                workers[(frame.host, frame.gpu)] = frame.workers
         out: list[Recommendation] = []
         for (host, pool), members in sorted(pools.items()):
-            context = _Pool(self, model, host, pool, members, fleet.get((host, pool)), now_seconds)
+            context = _Pool(
+                self, model, host, pool, members, fleet.get((host, pool)), now_seconds, workers
+            )
             out += context.recommendations()
         out.sort(key=lambda r: (r.cost_rank, r.host, r.target, r.id))
         return tuple(out)
@@ -173,8 +180,10 @@ class _Pool:
         members: Sequence[_Held],
         fleet: FleetVerdict | None,
         now_seconds: float,
+        workers: Mapping[tuple[str, int], tuple[str, ...]],
     ) -> None:
         self.r = recommender
+        self.workers = workers
         self.model = model
         self.host, self.pool = host, pool
         self.held = {m.verdict.gpu: m for m in members}
@@ -201,6 +210,16 @@ class _Pool:
         return out
 
     # building blocks
+
+    def _weight_list(self, shares: Mapping[int, float]) -> list[dict[str, object]]:
+        """A GPU's share of the pool's work as ``weights`` carry it: per worker (a GPU's share
+        split over its workers; worker None where the telemetry names none, or a GPU to add)."""
+        out: list[dict[str, object]] = []
+        for gpu, share in sorted(shares.items()):
+            names: tuple[str | None, ...] = self.workers.get((self.host, gpu)) or (None,)
+            for name in names:
+                out.append({"gpu": gpu, "worker": name, "weight": round(share / len(names), 4)})
+        return out
 
     def _held_where(self, state: str, causes: Iterable[str] | None = None) -> list[_Held]:
         wanted = None if causes is None else set(causes)
@@ -304,7 +323,7 @@ class _Pool:
                 self._make(
                     "drain",
                     f"gpu:{gpu}",
-                    {"gpu": gpu},
+                    {"gpu": gpu, "workers": list(self.workers.get((self.host, gpu), ()))},
                     f"GPU {gpu} is {what}: take it out of rotation so that no request is sent "
                     "to it and its share goes to the others",
                     [h],
@@ -351,7 +370,7 @@ class _Pool:
         if gain < self.r.min_gain_rho:
             return None
         total = sum(weights.values())
-        normalised = {f"gpu:{g}": round(w / total, 4) for g, w in sorted(weights.items())}
+        normalised = self._weight_list({g: w / total for g, w in weights.items()})
         return self._make(
             "set_weights",
             f"pool:{self.pool}",
@@ -407,7 +426,7 @@ class _Pool:
             {
                 "gpus": needed,
                 "card": card,
-                "weights": {f"gpu:{g}": round(s, 4) for g, s in sorted(shares.items())},
+                "weights": self._weight_list(shares),
             },
             f"the pool is offered {pool_rho:.2f} of what its GPUs serve: no weighting can "
             f"cure it; add {needed} GPU(s) like its {card or 'cards'} to bring it to about "
@@ -440,7 +459,10 @@ class _Pool:
         return self._make(
             "remove_worker",
             f"gpu:{smallest.gpu}",
-            {"gpu": smallest.gpu},
+            {
+                "gpu": smallest.gpu,
+                "workers": list(self.workers.get((self.host, smallest.gpu), ())),
+            },
             f"every GPU of the pool is starved for want of demand: GPU {smallest.gpu}'s "
             f"worker can go and the others stay under ρ {self.r.target_rho:.2f}",
             idle,

@@ -3,12 +3,17 @@
 Pure: the same inputs give the same plan, and a state that already shows what the
 recommendations ask for plans nothing. What a recommendation asks, per action:
 
-- `set_weights`: target a backend (`be_gpu`), `parameters["weights"]` maps its server names to
-  weights 0..256; each pass moves a weight by at most `Settings.max_weight_step`;
-- `drain`: target `backend/server`, which takes no new requests (its sessions finish);
-- `remove_worker`: target `backend/server`, drained first, then `maint` once its sessions reach
-  0 (failed after `Settings.drain_timeout_seconds`);
-- `add_worker`: target `backend/server`, back to `ready`.
+- `set_weights`: as the analyzer makes it, target a pool (`pool:NAME`) and
+  `parameters["weights"]` a list of `{gpu, worker, weight}`, each worker's share of the pool's
+  work: the workers are the backend's servers of those names, and the shares become weights
+  in proportion, the largest `SHARE_WEIGHT`; or target a backend (`be_gpu`) with
+  `parameters["weights"]` mapping its server names to weights 0..256. Each pass moves a weight
+  by at most `Settings.max_weight_step`;
+- `drain`: target `backend/server`, or (the analyzer's) `gpu:N` with `parameters["workers"]`
+  naming its servers, which take no new requests (their sessions finish);
+- `remove_worker`: the same targets, drained first, then `maint` once the sessions reach 0
+  (failed after `Settings.drain_timeout_seconds`);
+- `add_worker`: the same targets, back to `ready`.
 
 Other actions (moves, pools, batching) are refused as unsupported by this controller. A
 recommendation that is expired, stale, aimed at an unknown backend or server, or asks one server
@@ -19,7 +24,7 @@ met.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpubalance.controller.haproxy import MAX_WEIGHT, AdminState
@@ -35,6 +40,10 @@ from gpubalance.controller.model import (
     server_key,
 )
 from gpubalance.diagnosis import Recommendation
+
+# the weight the largest share of a pool's work becomes (HAProxy's own default is 1; a
+# hundred leaves room to tell shares apart)
+SHARE_WEIGHT = 100
 
 # the admin state each server action asks for
 _ADMIN_OF: Mapping[str, AdminState] = {
@@ -155,6 +164,13 @@ def _wants(rec: Recommendation, observed: Observed) -> list[_Want] | Refusal:
     def refuse(reason: RefusalReason, detail: str) -> Refusal:
         return Refusal(rec.id, reason, detail, ack="rejected", target=rec.target)
 
+    if rec.action == "set_weights" and isinstance(rec.parameters.get("weights"), list):
+        return _shares(rec, observed, refuse)
+    if rec.action in _ADMIN_OF and "/" not in rec.target and "workers" in rec.parameters:
+        servers = _servers_named(rec.parameters["workers"], observed)
+        if isinstance(servers, str):
+            return refuse("unknown_target", f"{rec.action} of {rec.target}: {servers}")
+        return [_Want(server, "admin", _ADMIN_OF[rec.action]) for server in servers]
     if rec.action == "set_weights":
         pool = {s.server: s for s in observed.pool(rec.target)}
         if not pool:
@@ -189,6 +205,53 @@ def _wants(rec: Recommendation, observed: Observed) -> list[_Want] | Refusal:
         f"{rec.action} is not carried out by this controller (set_weights, drain, "
         "remove_worker, add_worker are)",
     )
+
+
+def _servers_named(workers: object, observed: Observed) -> list[ObservedServer] | str:
+    """The servers named as the analyzer's workers, all in one backend; else why not."""
+    if not isinstance(workers, list) or not workers:
+        return "names no worker (the telemetry did not say which serves it)"
+    if not all(isinstance(w, str) for w in workers):
+        return f"workers {workers!r} are not all names"
+    found: list[ObservedServer] = []
+    for name in workers:
+        matches = [s for s in observed.servers.values() if s.server == name]
+        if len(matches) != 1:
+            where = "no backend" if not matches else f"{len(matches)} backends"
+            return f"worker {name!r} is a server of {where} HAProxy shows"
+        found.append(matches[0])
+    if len({s.backend for s in found}) > 1:
+        return f"workers {workers!r} are servers of more than one backend"
+    return found
+
+
+def _shares(
+    rec: Recommendation, observed: Observed, refuse: Callable[[RefusalReason, str], Refusal]
+) -> list[_Want] | Refusal:
+    """The analyzer's set_weights: each worker's share of the pool, as weights in proportion."""
+    weights = rec.parameters["weights"]
+    assert isinstance(weights, list)
+    shares: dict[str, float] = {}
+    for item in weights:
+        if not isinstance(item, Mapping) or not isinstance(item.get("worker"), str):
+            return refuse(
+                "unknown_target",
+                f"{rec.target}: a weight names no worker ({item!r}): no server to give it to",
+            )
+        share = item.get("weight")
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            return refuse("bad_parameters", f"share {share!r} of {item['worker']!r} is not 0..1")
+        shares[item["worker"]] = shares.get(item["worker"], 0.0) + float(share)
+    servers = _servers_named(list(shares), observed)
+    if isinstance(servers, str):
+        return refuse("unknown_target", f"set_weights of {rec.target}: {servers}")
+    largest = max(shares.values())
+    if largest <= 0:
+        return refuse("bad_parameters", f"set_weights of {rec.target} gives every worker 0")
+    return [
+        _Want(server, "weight", round(SHARE_WEIGHT * shares[server.server] / largest))
+        for server in servers
+    ]
 
 
 def _contradictory(wants: Mapping[str, list[_Want]]) -> dict[str, list[str]]:

@@ -129,6 +129,9 @@ class Recommendation:
     action: Action
     host: str
     target: str  # a worker, a GPU ("gpu:2") or a pool
+    # per action (README, "Recommendations"); set_weights: {"pool", "weights": [{"gpu",
+    # "worker", "weight"}]}, each worker's share of the pool's work; drain / remove_worker:
+    # {"gpu", "workers"}: the names an executor finds the GPU's servers by
     parameters: Mapping[str, object]
     reason: str
     evidence: tuple[str, ...]

@@ -241,8 +241,12 @@ def _entries(resolved: Plan) -> list[int]:
 
 
 def _by_gpu(weights: object) -> dict[int, float]:
-    assert isinstance(weights, Mapping)
-    return {int(str(k).removeprefix("gpu:")): float(v) for k, v in weights.items()}
+    """The share of the pool each GPU gets, summed over its workers' entries."""
+    assert isinstance(weights, list)
+    out: dict[int, float] = {}
+    for item in weights:
+        out[int(item["gpu"])] = out.get(int(item["gpu"]), 0.0) + float(item["weight"])
+    return out
 
 
 def _workers(resolved: Plan, pool: str, gpu: int) -> list[str]:

@@ -48,6 +48,16 @@ def default_target(tmp_path_factory: pytest.TempPathFactory) -> list[Sample]:
     return _lab("default-target", 210, tmp_path_factory.mktemp("default-target"))
 
 
+def _shares(recommendation: Recommendation) -> dict[str, float]:
+    """The pool's share per GPU ("gpu:N") a set_weights gives, summed over its workers."""
+    weights = recommendation.parameters["weights"]
+    assert isinstance(weights, list)
+    out: dict[str, float] = {}
+    for item in weights:
+        out[f"gpu:{item['gpu']}"] = out.get(f"gpu:{item['gpu']}", 0.0) + item["weight"]
+    return out
+
+
 def test_a_balanced_pool_gets_nothing(tmp_path: Path) -> None:
     assert _recommend(_lab("balanced-4x4090", 240, tmp_path), 240) == ()
 
@@ -57,10 +67,12 @@ def test_a_default_target_is_reweighted_by_capacity(default_target: list[Sample]
     assert _actions(found) == [("set_weights", "pool:qwen2.5-7b")]
     weights = found[0]
     assert weights.cost_rank == 0
-    # four identical cards: equal weights, and every GPU at the pool's ρ after
-    assert weights.parameters["weights"] == pytest.approx(
-        {f"gpu:{g}": 0.25 for g in range(4)}, abs=0.01
-    )
+    # four identical cards: equal weights, one per GPU's worker (the router's server names),
+    # and every GPU at the pool's ρ after
+    assert [(w["gpu"], w["worker"]) for w in weights.parameters["weights"]] == [
+        (g, f"w{g}") for g in range(4)
+    ]
+    assert _shares(weights) == pytest.approx({f"gpu:{g}": 0.25 for g in range(4)}, abs=0.01)
     expected = weights.expected
     assert expected is not None
     assert (
@@ -112,8 +124,7 @@ def test_a_lost_gpu_is_drained(tmp_path: Path) -> None:
 def test_a_throttled_card_is_weighted_down_and_its_host_looked_at(tmp_path: Path) -> None:
     found = _recommend(_lab("thermal-throttle", 270, tmp_path), 270)
     assert _actions(found) == [("set_weights", "pool:llama-3.1-8b"), ("investigate_host", "gpu:1")]
-    weights = found[0].parameters["weights"]
-    assert isinstance(weights, dict)
+    weights = _shares(found[0])
     assert weights["gpu:1"] == min(weights.values())
     assert found[1].parameters["cause"] == "throttling" and found[1].expected is None
 
@@ -207,8 +218,7 @@ def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
         frames, {0: "overloaded/routing_skew", 1: "starved/host_bound", 2: "starved/routing_skew"}
     )
     assert _actions(found) == [("set_weights", "pool:llama"), ("investigate_host", "gpu:1")]
-    weights = found[0].parameters["weights"]
-    assert isinstance(weights, dict)
+    weights = _shares(found[0])
     # GPU 1 keeps its share of the pool's offered load (1 of 12.5/s), the rest by capacity
     assert weights["gpu:1"] == pytest.approx(1.0 / 12.5, abs=0.01)
     assert weights["gpu:0"] == pytest.approx(weights["gpu:2"])

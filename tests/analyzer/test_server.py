@@ -292,7 +292,15 @@ def test_metrics_say_what_the_diagnosis_says(
     }
     assert cycles["gpubalance_analyzer_cycle_duration_seconds_count"] >= 1
     assert families["gpubalance_analyzer_source_errors"].samples == []
-    assert families["gpubalance_worker_recommended_weight"].samples == []  # no recommender
+    # the skewed run is re-weighted: each worker's share, as the recommendation gives it
+    served = analyzer.request("/api/v1/recommendations").json()
+    served = served["recommendations"] if isinstance(served, dict) else served
+    (weights,) = [r["parameters"]["weights"] for r in served if r["action"] == "set_weights"]
+    assert {
+        (s.labels["worker"], s.labels["gpu"], s.value)
+        for s in families["gpubalance_worker_recommended_weight"].samples
+    } == {(w["worker"], str(w["gpu"]), w["weight"]) for w in weights}
+    assert {w["worker"] for w in weights} == {"w0", "w1", "w2", "w3"}
 
 
 def test_beyond_loopback_it_needs_a_token(

@@ -381,3 +381,47 @@ def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() ->
         weight_percent(5, 300)
     with pytest.raises(ActuatorError, match="configured weight, which is 0"):
         weight_percent(5, 0)
+
+
+def test_the_analyzers_shares_become_weights_of_the_servers_its_workers_name() -> None:
+    state = observed(server("w0"), server("w1"), server("w2"), server("w3"))
+    shares = [
+        {"gpu": g, "worker": f"w{g}", "weight": share}
+        for g, share in enumerate((0.1, 0.3, 0.3, 0.3))
+    ]
+    wanted = [rec("r", "set_weights", "pool:llama", {"pool": "llama", "weights": shares})]
+    settings = replace(SETTINGS, max_weight_step=256)
+    result = plan(state, wanted, (), settings)
+    assert result.refusals == ()
+    # in proportion, the largest share 100
+    assert {(c.server, c.value) for c in result.changes} == {("w0", 33)}
+    assert plan(apply(state, result.changes), wanted, (), settings).converged == ("r",)
+
+
+def test_the_analyzers_drain_of_a_gpu_drains_the_servers_of_its_workers() -> None:
+    state = observed(server("w0"), server("w1"), server("w2"))
+    drain = rec("r", "drain", "gpu:2", {"gpu": 2, "workers": ["w2"]})
+    result = plan(state, [drain], (), SETTINGS)
+    assert [(c.backend, c.server, c.value) for c in result.changes] == [("be", "w2", "drain")]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "found"),
+    [
+        ({"weights": [{"gpu": 0, "worker": None, "weight": 1.0}]}, "names no worker"),
+        ({"weights": [{"gpu": 0, "worker": "w9", "weight": 1.0}]}, "'w9' is a server of no"),
+        ({"weights": [{"gpu": 0, "worker": "w0", "weight": 1.5}]}, "not 0..1"),
+    ],
+)
+def test_analyzer_weights_the_controller_cannot_place_are_refused(
+    parameters: Mapping[str, object], found: str
+) -> None:
+    result = plan(
+        observed(server("w0"), server("w1")),
+        [rec("r", "set_weights", "pool:p", parameters)],
+        (),
+        SETTINGS,
+    )
+    assert result.changes == ()
+    [refusal] = result.refusals
+    assert found in refusal.detail, refusal.detail

@@ -56,7 +56,10 @@ def test_reweighting_a_default_target_realises_the_predicted_rho() -> None:
 def test_set_weights_becomes_weighted_round_robin_from_t() -> None:
     document = _document("default-target")
     resolved = plan(validate(Scenario, document, source="x"), "x")
-    weights = {"gpu:0": 0.4, "gpu:1": 0.2, "gpu:2": 0.2, "gpu:3": 0.2}
+    weights = [
+        {"gpu": g, "worker": f"w{g}", "weight": share}
+        for g, share in enumerate((0.4, 0.2, 0.2, 0.2))
+    ]
     changed = apply.apply(
         document, resolved, _recommendation("set_weights", {"weights": weights}), 150
     )
@@ -79,7 +82,7 @@ def test_a_drain_takes_the_gpu_out_of_rotation_at_t() -> None:
 def test_a_scale_out_adds_cards_and_workers_that_take_work_from_t() -> None:
     document = _document("default-target")
     resolved = plan(validate(Scenario, document, source="x"), "x")
-    weights = {f"gpu:{g}": 1 / 6 for g in range(6)}
+    weights = [{"gpu": g, "worker": None, "weight": 1 / 6} for g in range(6)]
     parameters = {"gpus": 2, "card": "NVIDIA GeForce RTX 4090", "weights": weights}
     changed = apply.apply(document, resolved, _recommendation("scale_out", parameters), 120)
     new = plan(validate(Scenario, changed, source="changed"), "changed")
