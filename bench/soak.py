@@ -932,8 +932,8 @@ def results_section(
     lines += [
         "",
         "The exporter's threads are its main thread, the sampler, one NVML reader per GPU"
-        f" ({GPUS}) and the workers of asyncio's default executor (OTLP decoding, parsing"
-        " serving scrapes), which it starts on demand up to min(32, CPUs + 4),"
+        f" ({GPUS}) and the workers that decode OTLP pushes and parse serving scrapes,"
+        " all started with the exporter: min(32, CPUs + 4),"
         f" {min(32, (os.cpu_count() or 1) + 4)} here.",
         "",
         "Verdict: " + ("met" if not problems else "**not met**: " + "; ".join(problems)) + ".",

@@ -13,6 +13,9 @@ import logging
 import os
 import signal
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import TYPE_CHECKING, Any
 
 from gpubalance.config import LOG_FORMAT
@@ -254,12 +257,27 @@ def build_collectors(config: Any) -> list[Any]:
     return [spec.factory(config) for spec in enabled_specs(config.collectors)]
 
 
+# the workers that decode OTLP pushes and parse serving scrapes off the event loop: asyncio's
+# default executor's size
+WORK_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
+def started_executor(threads: int = WORK_THREADS) -> ThreadPoolExecutor:
+    """A pool with all its threads running: a pool starts threads as work queues up, so a busy
+    minute would add threads long after start, which a soak would read as a leak."""
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpubalance-work")
+    everyone = threading.Barrier(threads)  # each task waits for the others: one thread each
+    wait_all([executor.submit(everyone.wait) for _ in range(threads)])
+    return executor
+
+
 async def serve(config: Any, sampler: Any, security: Any, otlp: Any = None) -> int:
     from aiohttp import web
 
     from gpubalance.exporter.server import ExporterServer
 
     log = logging.getLogger("gpubalance.exporter")
+    asyncio.get_running_loop().set_default_executor(started_executor())
     server = ExporterServer(sampler, config)
     app = server.app()
     security.install(app)

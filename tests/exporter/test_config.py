@@ -193,3 +193,20 @@ def test_the_memory_trend_rule_is_configured(tmp_path: Path) -> None:
         load_section(
             ExporterConfig, write(tmp_path, "exporter:\n  trend_min_span: 2\n"), "exporter"
         )
+
+
+def test_the_work_pool_runs_all_its_threads_from_the_start() -> None:
+    """The exporter's thread count is fixed once it serves: a soak reads growth as a leak."""
+    import threading
+
+    from gpubalance.exporter.cli import started_executor
+
+    before = threading.active_count()
+    executor = started_executor(3)
+    try:
+        assert threading.active_count() - before == 3
+        # work that queues up runs on those threads and starts no others
+        list(executor.map(lambda _: threading.active_count(), range(50)))
+        assert threading.active_count() - before == 3
+    finally:
+        executor.shutdown()
