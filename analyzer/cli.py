@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -21,6 +20,8 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gpubalance.arguments import seconds
 
 if TYPE_CHECKING:
     from gpubalance.analyzer.features import FeatureTable
@@ -48,16 +49,6 @@ class NothingYet(Exception):
     """A readable source without a whole window yet (an exporter just started): exit code 1."""
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
-    return value
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
@@ -71,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument(
         "--window",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_WINDOW_SECONDS,
         metavar="SECONDS",
         help=f"analysis window (default {DEFAULT_WINDOW_SECONDS:.0f} s, the lab's truth window)",

@@ -498,7 +498,7 @@ def openapi_document(token: bool) -> dict[str, Any]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from gpubalance.analyzer.baselines import CLASSIFIERS
-    from gpubalance.analyzer.cli import _seconds
+    from gpubalance.arguments import seconds
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
@@ -535,14 +535,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--window",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_WINDOW_SECONDS,
         metavar="SECONDS",
         help=f"analysis window (default {DEFAULT_WINDOW_SECONDS:.0f} s)",
     )
     parser.add_argument(
         "--interval",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_INTERVAL_SECONDS,
         metavar="SECONDS",
         help=f"seconds between pulls of the source (default {DEFAULT_INTERVAL_SECONDS:.0f})",

@@ -22,38 +22,10 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gpubalance.arguments import positive_int, seconds, seed
+
 DEFAULT_COUNT = 3
 DEFAULT_REPORT = Path("analyzer") / "EVALUATION.md"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
-    return value
 
 
 def _families(text: str) -> list[str]:
@@ -74,18 +46,18 @@ def _data_options(parser: argparse.ArgumentParser, count: int) -> None:
         help="scenario families to draw (lab/scenarios/README.md, 'Generated families')",
     )
     parser.add_argument(
-        "--count", type=_positive_int, default=count, metavar="N", help="variants per family"
+        "--count", type=positive_int, default=count, metavar="N", help="variants per family"
     )
-    parser.add_argument("--seed", type=_seed, default=1, metavar="S", help="generator seed")
+    parser.add_argument("--seed", type=seed, default=1, metavar="S", help="generator seed")
     parser.add_argument(
         "--duration",
-        type=_seconds,
+        type=seconds,
         metavar="SECONDS",
         help="every variant's duration (default: as drawn, 300-900 s)",
     )
     parser.add_argument(
         "--jobs",
-        type=_positive_int,
+        type=positive_int,
         default=os.cpu_count() or 1,
         metavar="N",
         help="processes running scenarios (and, for evaluate, fitting folds)",
@@ -151,7 +123,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     gentd.add_argument(
         "--window",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="analysis window (default five of the trace's 57-s samples: 285 s)",

@@ -11,45 +11,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from gpubalance.arguments import positive_int, seconds, seed
+
 DEFAULT_BUILD = Path("build") / "fakenvml"
-
-
-def _seconds(text: str) -> float:
-    """--duration: a number of seconds above 0 (argparse turns the error into exit code 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
-    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +34,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--speed", choices=("fast", "live"), default="fast")
     run.add_argument(
         "--duration",
-        type=_seconds,
+        type=seconds,
         metavar="SECONDS",
         help="simulated seconds (default: the scenario's duration_seconds)",
     )
-    run.add_argument("--seed", type=_seed, metavar="N", help="default: the scenario's seed")
+    run.add_argument("--seed", type=seed, metavar="N", help="default: the scenario's seed")
     run.add_argument("--out", type=Path, required=True, metavar="DIR")
     run.add_argument(
         "--snapshots",
@@ -86,12 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     gen.add_argument(
         "--family", required=True, metavar="FAMILY", help="a family's name, or all (each family)"
     )
-    gen.add_argument("--count", type=_count, default=10, metavar="N", help="variants per family")
-    gen.add_argument("--seed", type=_seed, default=1, metavar="N")
+    gen.add_argument(
+        "--count", type=positive_int, default=10, metavar="N", help="variants per family"
+    )
+    gen.add_argument("--seed", type=seed, default=1, metavar="N")
     gen.add_argument("--out", type=Path, required=True, metavar="DIR")
     gen.add_argument(
         "--duration",
-        type=_seconds,
+        type=seconds,
         metavar="SECONDS",
         help="every variant's duration_seconds (default: drawn, 300-900 s)",
     )
@@ -110,7 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     demo.add_argument("--build-dir", type=Path, default=DEFAULT_BUILD, metavar="DIR")
     demo.add_argument(
         "--duration",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="stop after this long (default: until Ctrl-C; 20 s when not a terminal)",

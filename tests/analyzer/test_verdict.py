@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from analyzer_harness import healthy_frame
 
 from gpubalance.analyzer.baselines import QueueUtilization, UtilizationThreshold
 from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
-from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
+from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.verdict import Diagnosis, Verdicts, idle_while_queued_ratio
 from gpubalance.diagnosis import Verdict
 from gpubalance.lab import run as lab_run
@@ -23,50 +24,7 @@ from gpubalance.telemetry import GpuSample, Sample
 WINDOW = 30.0
 
 
-def _frame(gpu: int, window: int, **figures: object) -> GpuFrame:
-    """One GPU over one 30-s window of a healthy, half-busy server, with figures replaced."""
-    base: dict[str, object] = {
-        "host": "h",
-        "gpu": gpu,
-        "uuid": f"GPU-{gpu}",
-        "card": "NVIDIA GeForce RTX 4090",
-        "t_start": window * WINDOW,
-        "t_end": (window + 1) * WINDOW,
-        "sample_count": 30,
-        "expected_sample_count": 30,
-        "lost": False,
-        "utilization_mean_ratio": 0.5,
-        "utilization_p95_ratio": 0.6,
-        "memory_used_bytes": 8 * 2**30,
-        "memory_total_bytes": 24 * 2**30,
-        "memory_used_slope_bytes_per_second": 0.0,
-        "sm_clock_ratio": 1.0,
-        "throttled_ratio": 0.0,
-        "throttle_reasons": frozenset(),
-        "power_ratio": 0.5,
-        "temperature_celsius": 50.0,
-        "serving_queues": 1,
-        "queue_depth_mean": 0.0,
-        "queue_depth_max": 1.0,
-        "queue_depth_slope_per_second": 0.0,
-        "running_mean": 4.0,
-        "batch_delay_seconds": 0.01,
-        "request_duration_seconds": 1.0,
-        "batch_size_mean": 4.0,
-        "completions_per_second": 5.0,
-        "allocation_failures": 0.0,
-        "service_classes": ("interactive",),
-        "queue_names": ("llama",),
-        "feeder_processes": 1,
-        "feeder_cpu_cores_max": 0.2,
-        "feeder_read_bytes_per_second": 0.0,
-        "host_cpu_busy_ratio": 0.2,
-        "host_cpu_pressure_ratio": 0.0,
-        "host_io_pressure_ratio": 0.0,
-        "host_iowait_ratio": 0.0,
-    }
-    base.update(figures)
-    return GpuFrame(**base)  # type: ignore[arg-type]
+_frame = healthy_frame
 
 
 def _states(verdicts: tuple[Verdict, ...], gpu: int = 0) -> list[str]:
