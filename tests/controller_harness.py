@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
+from harness import EchoServers
 from pydantic import TypeAdapter
 
 from gpubalance.controller.analyzer_client import AnalyzerClient
@@ -139,43 +140,8 @@ class Analyzer:
         await self._runner.cleanup()
 
 
-class Backends:
-    """aiohttp servers in this event loop, one per name, each answering its name."""
-
-    def __init__(self, names: Iterable[str]) -> None:
-        self.names = list(names)
-        self.ports: dict[str, int] = {}
-        self.held = 0
-        self.release = asyncio.Event()
-        self._runners: list[web.AppRunner] = []
-
-    async def __aenter__(self) -> Backends:
-        for name in self.names:
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handler(name))
-            runner = web.AppRunner(app, shutdown_timeout=1.0)
-            await runner.setup()
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            await web.SockSite(runner, sock).start()
-            self.ports[name] = sock.getsockname()[1]
-            self._runners.append(runner)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release.set()
-        for runner in self._runners:
-            await runner.cleanup()
-
-    def _handler(self, name: str) -> Callable[[web.Request], Any]:
-        async def handle(request: web.Request) -> web.Response:
-            if request.path == "/hold":
-                self.held += 1
-                await self.release.wait()
-                self.held -= 1
-            return web.Response(text=name)
-
-        return handle
+class Backends(EchoServers):
+    """Echo servers behind the HAProxy a controller test drives."""
 
     def config(self, run_dir: Path, backend: str = "be") -> HaproxyConfig:
         servers = tuple(Server(n, "127.0.0.1", self.ports[n]) for n in self.names)

@@ -7,20 +7,24 @@ import asyncio
 import gzip
 import json
 import re
+import socket
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubalance.lab import traffic
 from gpubalance.lab.fakenvml import write_state
+from gpubalance.lab.live.haproxy import Server
 from gpubalance.lab.live.run import LiveLab
 from gpubalance.lab.scenario import Plan, Scenario, plan
 
@@ -213,3 +217,57 @@ def scrape(lab: LiveLab) -> Metrics:
     assert lab.exporter is not None
     with urllib.request.urlopen(lab.exporter.url + "/metrics", timeout=10) as resp:
         return Metrics.parse(resp.read().decode())
+
+
+class EchoServers:
+    """aiohttp servers in this event loop, one per name, each answering its name."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = list(names)
+        self.ports: dict[str, int] = {}
+        self.held: Counter[str] = Counter()
+        self.unhealthy: set[str] = set()
+        self.release = asyncio.Event()
+        self._runners: list[web.AppRunner] = []
+
+    async def __aenter__(self) -> EchoServers:
+        for name in self.names:
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", self._handler(name))
+            runner = web.AppRunner(app, shutdown_timeout=1.0)
+            await runner.setup()
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            await web.SockSite(runner, sock).start()
+            self.ports[name] = sock.getsockname()[1]
+            self._runners.append(runner)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        for runner in self._runners:
+            await runner.cleanup()
+
+    def _handler(self, name: str) -> Callable[[web.Request], object]:
+        async def handle(request: web.Request) -> web.Response:
+            if request.path == "/healthz" and name in self.unhealthy:
+                return web.Response(status=503)
+            if request.path == "/hold":
+                self.held[name] += 1
+                await self.release.wait()
+                self.held[name] -= 1
+            return web.Response(text=name)
+
+        return handle
+
+    def servers(self, **options: dict[str, object]) -> tuple[Server, ...]:
+        """One `Server` per echo server; `options[name]` overrides its fields."""
+        return tuple(
+            Server(name, "127.0.0.1", self.ports[name], **options.get(name, {}))
+            for name in self.names
+        )
+
+    async def wait_held(self, total: int) -> None:
+        async with asyncio.timeout(20):
+            while sum(self.held.values()) < total:
+                await asyncio.sleep(0.01)

@@ -161,7 +161,7 @@ def test_remove_worker_drains_until_sessions_reach_zero_then_enters_maint(tmp_pa
                 # round robin: the first request goes to s1 and stays in flight
                 held = asyncio.create_task(http.get(f"{front}/hold"))
                 async with asyncio.timeout(10):
-                    while backends.held < 1:
+                    while sum(backends.held.values()) < 1:
                         await asyncio.sleep(0.01)
                 analyzer.recommendations = [recommendation("r1", "remove_worker", "be/s1")]
                 controller = make_controller(

@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
 import pytest
-from aiohttp import web
+from harness import EchoServers
 
 from gpubalance.lab.live import haproxy as haproxy_module
 from gpubalance.lab.live.haproxy import (
@@ -60,60 +60,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class EchoServers:
-    """aiohttp servers in this event loop, one per name, each answering its name."""
-
-    def __init__(self, names: Iterable[str]) -> None:
-        self.names = list(names)
-        self.ports: dict[str, int] = {}
-        self.held: Counter[str] = Counter()
-        self.unhealthy: set[str] = set()
-        self.release = asyncio.Event()
-        self._runners: list[web.AppRunner] = []
-
-    async def __aenter__(self) -> EchoServers:
-        for name in self.names:
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handler(name))
-            runner = web.AppRunner(app, shutdown_timeout=1.0)
-            await runner.setup()
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            await web.SockSite(runner, sock).start()
-            self.ports[name] = sock.getsockname()[1]
-            self._runners.append(runner)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release.set()
-        for runner in self._runners:
-            await runner.cleanup()
-
-    def _handler(self, name: str) -> Callable[[web.Request], object]:
-        async def handle(request: web.Request) -> web.Response:
-            if request.path == "/healthz" and name in self.unhealthy:
-                return web.Response(status=503)
-            if request.path == "/hold":
-                self.held[name] += 1
-                await self.release.wait()
-                self.held[name] -= 1
-            return web.Response(text=name)
-
-        return handle
-
-    def servers(self, **options: dict[str, object]) -> tuple[Server, ...]:
-        """One `Server` per echo server; `options[name]` overrides its fields."""
-        return tuple(
-            Server(name, "127.0.0.1", self.ports[name], **options.get(name, {}))
-            for name in self.names
-        )
-
-    async def wait_held(self, total: int) -> None:
-        async with asyncio.timeout(20):
-            while sum(self.held.values()) < total:
-                await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
