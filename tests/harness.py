@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import pty
 import re
 import socket
 import subprocess
@@ -271,3 +273,38 @@ class EchoServers:
         async with asyncio.timeout(20):
             while sum(self.held.values()) < total:
                 await asyncio.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class OnTerminal:
+    """What a command wrote to a terminal on its stderr, and to a pipe on its stdout."""
+
+    returncode: int
+    shown: bytes  # stderr, as the terminal got it
+    stdout: bytes
+
+
+def run_on_terminal(command: list[str], timeout: float) -> OnTerminal:
+    """Run ``command`` with its stderr on a pseudo-terminal (where progress bars are drawn)
+    and its stdout on a pipe; read the terminal until the process closes it."""
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
+    )
+    os.close(secondary)
+    shown = b""
+    while True:  # until the process closes its end of the terminal
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    returncode = process.wait(timeout=timeout)
+    os.close(primary)
+    assert process.stdout is not None
+    return OnTerminal(returncode, shown, process.stdout.read())

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import pty
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import run_on_terminal
 
 from gpubalance.analyzer import model
 from gpubalance.analyzer.evaluate import generated_examples
@@ -84,28 +82,11 @@ def test_too_little_data_is_said_not_a_traceback(
 
 
 def test_a_terminal_gets_a_progress_bar(tmp_path: Path) -> None:
-    primary, secondary = pty.openpty()
     out = tmp_path / "m.skops"
     command = [sys.executable, "-m", "gpubalance", "analyzer", "train", *SMALL]
-    process = subprocess.Popen(
-        [*command, "--jobs", "1", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=secondary,
-        env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
-    )
-    os.close(secondary)
-    shown = b""
-    while True:  # until the process closes its end of the terminal
-        try:
-            chunk = os.read(primary, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        shown += chunk
-    assert process.wait(timeout=240) == 0
-    os.close(primary)
+    ran = run_on_terminal([*command, "--jobs", "1", "--out", str(out)], timeout=240)
+    assert ran.returncode == 0
     for stage in (b"running scenarios", b"held-out folds", b"final fit"):
-        assert stage in shown, shown
-    assert process.stdout is not None and b"state macro-F1" in process.stdout.read()
+        assert stage in ran.shown, ran.shown
+    assert b"state macro-F1" in ran.stdout
     assert out.is_file()

@@ -10,14 +10,13 @@ variants at the fast speed, and one test here runs a short variant of every fami
 
 from __future__ import annotations
 
-import os
-import pty
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from harness import run_on_terminal
 
 from gpubalance.cli import main
 from gpubalance.lab import generate, scenario, traffic, truth
@@ -182,27 +181,11 @@ def test_family_all_writes_every_family_and_says_so_quietly_in_a_pipe(tmp_path: 
 
 
 def test_a_terminal_gets_a_progress_bar(tmp_path: Path) -> None:
-    primary, secondary = pty.openpty()
-    process = subprocess.Popen(
-        [*GENERATE, "--family", "batch-wait", "--count", "2", *SHORT, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=secondary,
-        env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
-    )
-    os.close(secondary)
-    shown = b""
-    while True:  # until the process closes its end of the terminal
-        try:
-            chunk = os.read(primary, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        shown += chunk
-    assert process.wait(timeout=60) == 0
-    os.close(primary)
-    assert b"scenarios" in shown and b"/2" in shown, shown
-    assert process.stdout is not None and process.stdout.read().startswith(b"2 scenarios")
+    command = [*GENERATE, "--family", "batch-wait", "--count", "2", *SHORT, str(tmp_path)]
+    ran = run_on_terminal(command, timeout=60)
+    assert ran.returncode == 0
+    assert b"scenarios" in ran.shown and b"/2" in ran.shown, ran.shown
+    assert ran.stdout.startswith(b"2 scenarios")
 
 
 @pytest.mark.parametrize(
