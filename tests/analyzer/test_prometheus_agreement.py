@@ -433,9 +433,13 @@ def assert_agreement(
     for name, hits in own_window.items():
         assert sum(hits) >= len(hits) / 2, f"{name}: {sum(hits)} of {len(hits)} in their window"
 
-    # the features, each source's frames with their own past
-    ours = FeatureBuilder().transform(prometheus_frames)
-    theirs = FeatureBuilder().transform(snapshot_frames)
+    # the features, each source's frames with their own past from the first window the
+    # snapshots hold whole: a rate over the few samples of the window the history starts inside
+    # differs between the sources, and the own best remembers it (the exporter's source drops
+    # that window too)
+    first = min(f.t_start for f in snapshot_frames if f.sample_count == f.expected_sample_count)
+    ours = FeatureBuilder().transform(f for f in prometheus_frames if f.t_start >= first)
+    theirs = FeatureBuilder().transform(f for f in snapshot_frames if f.t_start >= first)
     our_rows, our_pools = _rows(ours)
     their_rows, their_pools = _rows(theirs)
     for uuid, k in compared:
