@@ -22,6 +22,8 @@ UNSUPPORTED_ON_GEFORCE: dict[str, str] = {
     "profiling counters on GeForce before the 50 series",
     "DCGM_FI_PROF_DRAM_ACTIVE": "a DCP profiling field (memory bandwidth): no profiling "
     "counters on GeForce before the 50 series",
+    "DCGM_FI_DEV_MEMORY_TEMP": "NVML reports memory temperature (NVML_FI_DEV_MEMORY_TEMP) on "
+    "HBM datacenter cards only; a GeForce card's GDDR answers NOT_SUPPORTED (nvidia-smi: N/A)",
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": "GeForce RTX 40-series cards have no NVLink (NVML "
     "answers NOT_SUPPORTED)",
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": "row remapping is a feature of datacenter cards' "
@@ -42,7 +44,7 @@ def build() -> dict[str, Any]:
             "gpubalance / GPUs (DCGM names)",
             "dcgm-exporter's GPU panels on DCGM_FI_* names: works on dcgm-exporter and on the "
             "gpubalance exporter's --names dcgm profile (GeForce cards leave the profiling, "
-            "NVLink and row-remapping panels empty).",
+            "memory temperature, NVLink and row-remapping panels empty).",
         )
         .with_variable(label_variable("instance", "Instance", "DCGM_FI_DEV_GPU_TEMP", "instance"))
         .with_variable(

@@ -161,7 +161,7 @@ def build() -> dict[str, Any]:
                     ),
                     query(
                         f"sum by (instance, queue) (max_over_time(({completions} "
-                        f"/ on (instance, gpu) group_left "
+                        f"/ on (instance, gpu) group_left () "
                         f'(gpubalance_gpu_utilization_ratio{{instance=~"$host"}} > 0.1))[30m:]))',
                         "{{instance}} {{queue}} capacity",
                     ),

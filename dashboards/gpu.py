@@ -85,13 +85,10 @@ def build() -> dict[str, Any]:
         .with_panel(
             series(
                 "Temperature",
-                "Core and memory temperature.",
-                [
-                    query(f"gpubalance_gpu_temperature_celsius{{{GPU}}}", LEGEND + " core"),
-                    query(
-                        f"gpubalance_gpu_memory_temperature_celsius{{{GPU}}}", LEGEND + " memory"
-                    ),
-                ],
+                "GPU core temperature. (Memory temperature, "
+                "gpubalance_gpu_memory_temperature_celsius, comes only from cards whose NVML "
+                "reports it, HBM datacenter cards, never GeForce: not drawn here.)",
+                [query(f"gpubalance_gpu_temperature_celsius{{{GPU}}}", LEGEND)],
                 "celsius",
                 minimum=None,
             )
