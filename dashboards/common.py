@@ -48,13 +48,9 @@ def label_variable(
         dashboard.QueryVariable(name)
         .label(label)
         .datasource(DATASOURCE)
-        .query(
-            {
-                "qryType": 1,
-                "query": f"label_values({metric}, {source_label})",
-                "refId": f"{name}-variable",
-            }
-        )
+        # the classic string form: every Grafana version reads it, where the editor's object
+        # forms changed between versions
+        .query(f"label_values({metric}, {source_label})")
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(VariableSort.NUMERICAL_ASC if numeric else VariableSort.ALPHABETICAL_ASC)
         .multi(True)

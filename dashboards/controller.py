@@ -134,4 +134,15 @@ def build() -> dict[str, Any]:
             )
         )
     )
-    return finish(board)
+    model = finish(board)
+    # Grafana's Prometheus annotation fields the SDK's generic annotation lacks: a step equal to
+    # the expression's window, so no decision falls between two steps, and the labels to show
+    (annotation,) = model["annotations"]["list"]
+    annotation.update(
+        {
+            "step": "$__interval",
+            "titleFormat": "{{action}} ({{outcome}})",
+            "tagKeys": "action,outcome",
+        }
+    )
+    return model

@@ -2,9 +2,9 @@
 
 Prometheus scrapes, every second: the live lab's exporter (the skewed demo server: real
 workers behind a real HAProxy, on the fake NVML driver) in the native profile and again as
-``?names=dcgm``; a second exporter, a host of two GPUs whose fake driver this test drives
-(an XID error after the start, a thermal slowdown), so the fault panels have something to
-show; the vLLM-format workers' own /metrics; the analyzer (reading that Prometheus, as
+``?names=dcgm``; a second exporter (``--names both``), a host of two GPUs whose fake driver
+this test drives (an XID error after the start, a thermal slowdown), so the fault panels have
+something to show; the vLLM-format workers' own /metrics; the analyzer (reading that Prometheus, as
 deployed); and the controller in dry run over the lab's HAProxy. Every target of every panel,
 annotations included, with the variables set as a user selecting every value would set them,
 then goes through the HTTP API's query_range and must return at least one series: all of
@@ -135,12 +135,12 @@ def resolve_variables(
     for variable in model["templating"]["list"]:
         if variable["type"] != "query":
             continue
-        match = LABEL_VALUES.match(variable["query"]["query"])
+        match = LABEL_VALUES.match(variable["query"])
         assert match, variable["query"]
         selector = substitute(match["match"], chosen)
         values = prometheus.label_values(selector, match["label"], start, end)
         if not values:
-            empty.append(f"{variable['name']}: {variable['query']['query']}")
+            empty.append(f"{variable['name']}: {variable['query']}")
         chosen[variable["name"]] = grafana_regex(values) if values else "^$"
     return chosen, empty
 
@@ -259,6 +259,8 @@ class LiveSystem:
                 "127.0.0.1:0",
                 "--hostname",
                 "fault-host",
+                "--names",
+                "both",  # the DCGM profile by its flag, as the lab's exporter by ?names=
                 "--interval",
                 "1",
                 "--window",
