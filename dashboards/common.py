@@ -17,15 +17,19 @@ from grafana_foundation_sdk.models.common import VisibilityMode
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DataSourceRef,
+    DataTransformerConfig,
+    DynamicConfigValue,
     ValueMap,
     ValueMappingResult,
     VariableOption,
     VariableRefresh,
     VariableSort,
 )
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAGS = ["gpubalance"]
+GRID_COLUMNS = 24  # the width of Grafana's dashboard grid
 # what "All" stands for in every filter: any value, the empty one too (a serving queue that
 # is not mapped to a GPU has gpu="")
 ALL = ".*"
@@ -136,9 +140,17 @@ def states(
 
 
 def listing(
-    title: str, description: str, targets: Sequence[prometheus.Dataquery], *, width: int = 24
+    title: str,
+    description: str,
+    columns: Sequence[tuple[str, str, str]],
+    *,
+    width: int = 24,
 ) -> table.Panel:
-    """A table of the series' current values and labels (instant queries)."""
+    """A table of the series' current values: one row per label set, one column per query.
+
+    ``columns``: (expression, column name, unit) each. The queries must give the same labels,
+    so that Grafana's merge transformation lines their values up in one row.
+    """
     panel = (
         table.Panel()
         .title(title)
@@ -147,16 +159,39 @@ def listing(
         .span(width)
         .height(8)
     )
-    for target in targets:
-        panel = panel.with_target(target)
-    return panel
+    names = {}
+    for i, (expr, name, unit) in enumerate(columns):
+        ref = chr(ord("A") + i)
+        panel = panel.with_target(
+            query(expr, instant=True).format(PromQueryFormat.TABLE).ref_id(ref)
+        )
+        value = f"Value #{ref}" if len(columns) > 1 else "Value"
+        names[value] = name
+        # overrides apply after the transformations: to the renamed column
+        panel = panel.override_by_name(name, [DynamicConfigValue(id_val="unit", value=unit)])
+    if len(columns) > 1:
+        panel = panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+    return panel.with_transformation(
+        DataTransformerConfig(
+            id_val="organize",
+            options={"excludeByName": {"Time": True, "job": True}, "renameByName": names},
+        )
+    )
 
 
 def finish(board: dashboard.Dashboard) -> dict[str, Any]:
     """The dashboard's JSON model, with the panel ids and query refIds Grafana expects."""
     model: dict[str, Any] = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    x = y = row_height = 0
     for number, panel in enumerate(model["panels"], start=1):
         panel["id"] = number
+        # left to right, a new row when the panel does not fit (the SDK's own placement puts a
+        # full-width panel beside a half-width one)
+        width, height = panel["gridPos"]["w"], panel["gridPos"]["h"]
+        if x + width > GRID_COLUMNS:
+            x, y, row_height = 0, y + row_height, 0
+        panel["gridPos"] = {"h": height, "w": width, "x": x, "y": y}
+        x, row_height = x + width, max(row_height, height)
         for i, target in enumerate(panel.get("targets", [])):
             target["refId"] = chr(ord("A") + i)
     return model

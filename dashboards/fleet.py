@@ -131,16 +131,12 @@ def build() -> dict[str, Any]:
                 "Verdict and cause now",
                 "Each GPU's current state, with its cause and how sure the analyzer is.",
                 [
-                    query(
-                        f"gpubalance_gpu_state{{{VERDICT}}} == 1",
-                        "{{host}} GPU {{gpu}} {{state}} {{cause}}",
-                        instant=True,
-                    ),
-                    query(
-                        f"gpubalance_gpu_state_confidence{{{VERDICT}}}",
-                        "{{host}} GPU {{gpu}}",
-                        instant=True,
-                    ),
+                    (
+                        f"gpubalance_gpu_state_confidence{{{VERDICT}}} * on (host, gpu, uuid) "
+                        f"group_left (state, cause) (gpubalance_gpu_state{{{VERDICT}}} == 1)",
+                        "Confidence",
+                        "percentunit",
+                    )
                 ],
                 width=12,
             )

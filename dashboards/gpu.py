@@ -18,6 +18,8 @@ UID = "gpubalance-gpu"
 GPU = 'instance=~"$host", gpu=~"$gpu"'
 LEGEND = "{{instance}} GPU {{gpu}}"
 THROTTLE_MAPPING = {"0": ("inactive", "transparent"), "1": ("active", "orange")}
+# the process's name on a GPU-side series, by its host-side twin (same instance and pid)
+WITH_NAME = "* on (instance, pid) group_left (process) (0 * gpubalance_process_threads + 1)"
 # a process's GPUs, valued 1, to join host-side process series onto (group_right keeps the
 # GPU's labels; a process on two GPUs is listed under each)
 ON_GPU = f"0 * max by (instance, pid, gpu) (gpubalance_gpu_process_memory_used_bytes{{{GPU}}}) + 1"
@@ -180,13 +182,23 @@ def build() -> dict[str, Any]:
                 "Each process holding a context: its GPU memory, SM share, and host CPU "
                 "(cores, window mean). A feeding process pinned near one core starves its GPU.",
                 [
-                    query(f"gpubalance_gpu_process_memory_used_bytes{{{GPU}}}", instant=True),
-                    query(f"gpubalance_gpu_process_sm_utilization_ratio{{{GPU}}}", instant=True),
-                    query(
+                    (
+                        f"max by (instance, gpu, pid) ({name}{{{GPU}}}) {WITH_NAME}",
+                        column,
+                        unit,
+                    )
+                    for name, column, unit in (
+                        ("gpubalance_gpu_process_memory_used_bytes", "GPU memory", "bytes"),
+                        ("gpubalance_gpu_process_sm_utilization_ratio", "SM share", "percentunit"),
+                    )
+                ]
+                + [
+                    (
                         "gpubalance_process_cpu_usage_ratio * on (instance, pid) "
                         f"group_right (process) ({ON_GPU})",
-                        instant=True,
-                    ),
+                        "Host CPU (cores)",
+                        "short",
+                    )
                 ],
             )
         )

@@ -35,6 +35,17 @@ def test_each_panel_queries_the_chosen_datasource_with_its_own_ids(name: str) ->
     assert variables["datasource"]["query"] == "prometheus"
     ids = [panel["id"] for panel in model["panels"]]
     assert len(set(ids)) == len(ids)
+    cells: set[tuple[int, int]] = set()  # each panel within the grid's 24 columns, none overlaps
+    for panel in model["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        mine = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
+        assert not mine & cells, panel["title"]
+        cells |= mine
     used = set()
     for panel in model["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
