@@ -14,6 +14,7 @@ them, except the DCGM fields a GeForce card cannot serve, which must return none
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -376,17 +377,21 @@ class LiveSystem:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.thread.is_alive():
-            self.lab.halt()
-            self.thread.join(120)
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        try:
+            if self.thread.is_alive():
+                # the run may end between the check and the halt: its loop is closed then
+                with contextlib.suppress(RuntimeError):
+                    self.lab.halt()
+                self.thread.join(120)
+        finally:  # whatever failed above, no process outlives the test
+            for process in reversed(self.processes):
+                if process.poll() is None:
+                    process.terminate()
+                    try:
+                        process.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        process.wait()
 
     def wait_for_data(
         self, all_targets: list[Target]
