@@ -3,7 +3,6 @@ line our own argument parser takes, with the configuration examples beside the u
 
 from __future__ import annotations
 
-import argparse
 import configparser
 import re
 import shlex
@@ -13,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from deploy.kube import parse_args
 
-from gpubalance.cli import build_parser
 from gpubalance.exporter.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,20 +70,6 @@ def _argv(name: str) -> list[str]:
     return words[1:]
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed which flag it refused
-        raise AssertionError(f"gpubalance refuses {shlex.join(argv)}") from exc
-    # argparse takes an abbreviation of a flag: a unit must spell each one out
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    known = commands.choices[argv[0]]._option_string_actions
-    flags = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
-    assert flags <= known.keys(), f"gpubalance {argv[0]} has no {sorted(flags - known.keys())}"
-    return args
-
-
 @pytest.mark.parametrize("name", UNIT_NAMES)
 def test_unit_passes_systemd_analyze_verify(name: str, tmp_path: Path) -> None:
     if shutil.which("systemd-analyze") is None:
@@ -133,14 +118,14 @@ def test_exporter_unit_reaches_nvml_devices_only() -> None:
 def test_controller_unit_joins_the_haproxy_socket_group() -> None:
     service = _service("gpubalance-controller")
     assert service["SupplementaryGroups"] == "haproxy"
-    args = _parse(_argv("gpubalance-controller"))
+    args = parse_args(_argv("gpubalance-controller"))
     assert args.haproxy_socket == "/run/haproxy/admin.sock"
     assert str(args.audit_log).startswith("/var/lib/gpubalance/")  # its StateDirectory
     assert not args.act, "the example starts dry-run"
 
 
 def test_exporter_exec_start_parses_and_its_config_loads() -> None:
-    args = _parse(_argv("gpubalance-exporter"))
+    args = parse_args(_argv("gpubalance-exporter"))
     assert args.command == "exporter"
     args.config = str(_installed(args.config))
     config = load_config(args)
@@ -149,7 +134,7 @@ def test_exporter_exec_start_parses_and_its_config_loads() -> None:
 
 
 def test_analyzer_exec_start_parses() -> None:
-    args = _parse(_argv("gpubalance-analyzer"))
+    args = parse_args(_argv("gpubalance-analyzer"))
     assert (args.command, args.source, args.listen) == (
         "analyzer",
         "http://127.0.0.1:9450",
@@ -162,4 +147,4 @@ def test_a_renamed_flag_is_refused() -> None:
     """What the tests above rely on: the parser refuses a flag it does not know."""
     argv = _argv("gpubalance-exporter")
     with pytest.raises(AssertionError, match="refuses"):
-        _parse([word.replace("--config", "--config-file") for word in argv])
+        parse_args([word.replace("--config", "--config-file") for word in argv])
