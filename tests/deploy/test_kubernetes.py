@@ -4,6 +4,7 @@ container's arguments a command line gpubalance's own parser takes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,101 @@ def test_prometheusrule_of_the_shipped_rules_validates() -> None:
     validate(rule)
     names = [g["name"] for f in files for g in yaml.safe_load(f.read_text())["groups"]]
     assert [g["name"] for g in rule["spec"]["groups"]] == names
+    # the chart, given the same files as `--set-file prometheusRule.files.NAME=FILE`
+    charted = _render({"prometheusRule": {"files": {f.stem: f.read_text() for f in files}}})
+    validate(charted["PrometheusRule/gpubalance"])
+    assert sorted(
+        g["name"] for g in charted["PrometheusRule/gpubalance"]["spec"]["groups"]
+    ) == sorted(names)
+
+
+# -- the Helm chart, rendered by Helm's own engine (helm-python-sdk binds Helm's Go SDK) ------
+
+CHART = ROOT / "deploy" / "helm" / "gpubalance"
+
+
+def _render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    import helm_python
+
+    with helm_python.Chart.load(CHART) as chart:
+        files = chart.render(values or {}, name="gpubalance", namespace="gpubalance")
+    return {
+        f"{doc['kind']}/{doc['metadata']['name']}": doc
+        for path, text in sorted(files.items())
+        if path.endswith(".yaml")
+        for doc in documents(text)
+    }
+
+
+def test_chart_lints() -> None:
+    import helm_python
+
+    report = helm_python.lint(CHART)
+    assert report["errors"] == [], report
+
+
+def test_chart_renders_valid_objects() -> None:
+    rendered = _render()
+    for document in rendered.values():
+        validate(document)
+    # without rules files given, no empty PrometheusRule
+    assert not any(name.startswith("PrometheusRule/") for name in rendered)
+    assert set(rendered) >= {
+        "DaemonSet/gpubalance-exporter",
+        "Deployment/gpubalance-analyzer",
+        "ServiceMonitor/gpubalance-exporter",
+        "Role/gpubalance-prometheus-discovery",
+    }
+
+
+def test_chart_pods_are_the_manifests_pods() -> None:
+    """The chart and deploy/kubernetes run the same pods: one cannot be fixed without the other."""
+    rendered, static = _render(), _manifests()
+    for name in ("DaemonSet/gpubalance-exporter", "Deployment/gpubalance-analyzer"):
+        assert (
+            rendered[name]["spec"]["template"]["spec"] == static[name]["spec"]["template"]["spec"]
+        )
+    config = "ConfigMap/gpubalance-exporter"
+    assert yaml.safe_load(rendered[config]["data"]["exporter.yaml"]) == yaml.safe_load(
+        static[config]["data"]["exporter.yaml"]
+    )
+
+
+def test_chart_prometheusrule_is_the_generators(tmp_path: Path) -> None:
+    recording = "groups:\n  - name: a\n    rules:\n      - {record: 'x:y', expr: 'sum(y)'}\n"
+    rendered = _render(
+        {
+            "prometheusRule": {
+                "files": {"alerts": RULES_FIXTURE, "recording": recording},
+                "labels": {"release": "kube-prometheus-stack"},
+            }
+        }
+    )
+    rule = rendered["PrometheusRule/gpubalance"]
+    validate(rule)
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (tmp_path / "alerts.yml").write_text(RULES_FIXTURE)
+    (tmp_path / "recording.yml").write_text(recording)
+    generated = _generate(tmp_path / "alerts.yml", tmp_path / "recording.yml")
+    (expected,) = documents(generated.stdout)
+    assert rule["spec"] == expected["spec"]
+
+
+def test_chart_refuses_a_file_that_is_not_rules() -> None:
+    import helm_python
+
+    with pytest.raises(
+        helm_python.HelmError, match=re.escape("prometheusRule.files.alerts is not a")
+    ):
+        _render({"prometheusRule": {"files": {"alerts": "rules: []\n"}}})
+
+
+def test_chart_without_analyzer_or_monitors() -> None:
+    rendered = _render(
+        {"analyzer": {"enabled": False}, "prometheusDiscovery": {"serviceAccount": ""}}
+    )
+    for document in rendered.values():
+        validate(document)
+    assert [n for n in rendered if "analyzer" in n] == []
+    assert "ServiceMonitor/gpubalance-exporter" in rendered
+    assert not any(n.startswith("Role") for n in rendered)
