@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
     "analyzer": ("gpubalance.analyzer.server", "verdicts and recommendations over HTTP; training"),
+    "report": ("gpubalance.analyzer.report", "an HTML page of plots of a recorded run"),
     "deploy": ("gpubalance.deploy", "deploy kit: the Kubernetes PrometheusRule of the rules files"),
 }
 # a command's own subcommands (`gpubalance analyzer train`): the module's add_commands(sub) adds
