@@ -70,24 +70,41 @@ def _argv(name: str) -> list[str]:
     return words[1:]
 
 
-@pytest.mark.parametrize("name", UNIT_NAMES)
-def test_unit_passes_systemd_analyze_verify(name: str, tmp_path: Path) -> None:
+def _verifiable(name: str, tmp_path: Path) -> Path:
+    """The unit with ExecStart's program at this checkout's gpubalance (systemd-analyze checks
+    that the program exists); the only change, the flags are checked by the parser below."""
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (Debian package systemd)")
-    # verify checks that ExecStart's program exists: point it at this checkout's gpubalance
-    # (the only change; the flags are checked against the parser below)
     program = str(Path(sys.executable).with_name("gpubalance"))
-    text = (UNITS / f"{name}.service").read_text().replace(INSTALLED, program)
     unit = tmp_path / f"{name}.service"
-    unit.write_text(text)
+    unit.write_text((UNITS / f"{name}.service").read_text().replace(INSTALLED, program))
+    return unit
+
+
+@pytest.mark.parametrize("name", UNIT_NAMES)
+def test_unit_passes_systemd_analyze_verify(name: str, tmp_path: Path) -> None:
     result = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        ["systemd-analyze", "verify", "--man=no", str(_verifiable(name, tmp_path))],
         capture_output=True,
         text=True,
         timeout=60,
     )
     # an unknown key or a value systemd cannot parse is only a warning, exit status 0
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+@pytest.mark.parametrize("name", UNIT_NAMES)
+def test_unit_exposure_is_low(name: str, tmp_path: Path) -> None:
+    """systemd's own rating of the sandbox: 0 is locked down, 10 is none; under 2 is "OK"."""
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(_verifiable(name, tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    found = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert found, result.stdout + result.stderr
+    assert float(found.group(1)) <= 2.0, result.stdout
 
 
 @pytest.mark.parametrize("name", UNIT_NAMES)
