@@ -150,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"gpubalance report: {exc}", file=sys.stderr)
         return 2
-    args.out.write_text(page, encoding="utf-8")
+    try:
+        args.out.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        print(f"gpubalance report: --out {args.out}: cannot write: {exc.strerror}", file=sys.stderr)
+        return 2
     print(
         f"{args.out}: {len(_gpus(report.timeline))} GPUs, {len(report.verdicts)} GPU-windows, "
         f"{len(report.actions)} controller actions"
@@ -296,9 +300,18 @@ def _targets_gpu(action: Action, workers: set[str]) -> bool:
     return bool(server) and server in workers
 
 
-def _png(figure: Any) -> str:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on its file backend: the report draws without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(figure: Any) -> str:
+    plt = _pyplot()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(figure)
@@ -307,11 +320,9 @@ def _png(figure: Any) -> str:
 
 def gpu_figure(report: Run, host: str, gpu: int) -> str:
     """Utilization, queue and memory of one GPU over the run, its verdicts and truth as bands."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    plt = _pyplot()
 
     frames = [f for f in report.timeline if (f.host, f.gpu) == (host, gpu)]
     t = [(f.t_start + f.t_end) / 2 - report.origin for f in frames]
@@ -373,11 +384,9 @@ def gpu_figure(report: Run, host: str, gpu: int) -> str:
 
 def fleet_figure(report: Run) -> str:
     """Idle-while-queued per pool over the run, with the fleet verdicts as bands."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    plt = _pyplot()
 
     pools = sorted({(f.host, f.pool) for f in report.fleet})
     figure, axes = plt.subplots(
@@ -445,13 +454,12 @@ def fleet_rows(report: Run) -> list[dict[str, str]]:
     rows = []
     for host, pool in sorted({(f.host, f.pool) for f in report.fleet}):
         verdicts = [f for f in report.fleet if (f.host, f.pool) == (host, pool)]
-        known = [f for f in verdicts if f.idle_while_queued_ratio is not None]
-        weight = sum(f.t_end - f.t_start for f in known)
-        mean = (
-            sum(f.idle_while_queued_ratio * (f.t_end - f.t_start) for f in known) / weight  # type: ignore[operator]
-            if weight
-            else None
-        )
+        weighted = judged_seconds = 0.0
+        for f in verdicts:
+            if f.idle_while_queued_ratio is not None:
+                weighted += f.idle_while_queued_ratio * (f.t_end - f.t_start)
+                judged_seconds += f.t_end - f.t_start
+        mean = weighted / judged_seconds if judged_seconds else None
         kinds = Counter(f.kind for f in verdicts)
         rows.append(
             {
@@ -474,7 +482,9 @@ def gpu_rows(report: Run) -> list[dict[str, str]]:
         last = verdicts[-1]
         row = {
             "GPU": f"{host} {gpu}",
-            "card": next((f.card or "" for f in report.timeline if f.gpu == gpu), ""),
+            "card": next(
+                (f.card or "" for f in report.timeline if (f.host, f.gpu) == (host, gpu)), ""
+            ),
             "now": f"{last.state} ({last.cause})" if last.cause != "none" else last.state,
             "windows by state": ", ".join(
                 f"{s} {n}" for s, n in Counter(v.state for v in verdicts).most_common()

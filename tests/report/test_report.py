@@ -181,6 +181,13 @@ def test_report_refuses_what_is_not_a_run(
     assert not (tmp_path / "r.html").exists()
 
 
+def test_report_says_when_it_cannot_write(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "missing" / "r.html"
+    result = _gpubalance("report", "--from", run_dir, "--out", out)
+    assert result.returncode == 2
+    assert f"--out {out}: cannot write: No such file or directory" in result.stderr
+
+
 def test_report_names_a_bad_audit_line(run_dir: Path, tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
     audit.write_text('{"decision": "applied", "at_seconds": 1}\nnot json\n')
