@@ -63,11 +63,16 @@ def rule_groups(paths: Sequence[Path]) -> list[dict[str, Any]]:
                 raise ConfigError(f"{where}: group {name} is also in {seen[name]}")
             seen[name] = path
             for j, rule in enumerate(group.get("rules") or []):
-                if not isinstance(rule, dict) or "expr" not in rule or set(rule) - RULE_KEYS:
+                if (
+                    not isinstance(rule, dict)
+                    or "expr" not in rule
+                    or set(rule) - RULE_KEYS
+                    or ("record" in rule) == ("alert" in rule)
+                ):
                     at = lines.get(("groups", i, "rules", j), lines.get(("groups", i), 1))
                     raise ConfigError(
-                        f"{path}:{at}: group {name}, rule {j}: expected expr and record or alert "
-                        f"(keys {sorted(RULE_KEYS)})"
+                        f"{path}:{at}: group {name}, rule {j}: expected expr and one of record "
+                        f"or alert (keys {sorted(RULE_KEYS)})"
                     )
             groups.append(group)
     return groups
@@ -126,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
     text = dump(document, " ".join(str(path) for path in args.rules))
     if args.out is None:
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         args.out.write_text(text)
+    except OSError as exc:
+        print(
+            f"gpubalance deploy prometheusrule: --out {args.out}: {exc.strerror}", file=sys.stderr
+        )
+        return 2
     return 0

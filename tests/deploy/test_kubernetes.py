@@ -185,6 +185,10 @@ def test_prometheusrule_of_several_files_keeps_their_order(tmp_path: Path) -> No
         ("rules: []\n", "not a Prometheus rules file"),
         ("groups:\n  - name: g\n    rules:\n      - {alert: A}\n", ":4: group g, rule 0: expected"),
         ("groups:\n  - name: g\n    rule: []\n", ":2: group g: unknown keys ['rule']"),
+        (
+            "groups:\n  - name: g\n    rules:\n      - {alert: A, record: 'a:b', expr: '1'}\n",
+            ":4: group g, rule 0: expected expr and one of record or alert",
+        ),
     ],
 )
 def test_prometheusrule_refuses_what_the_crd_would(tmp_path: Path, text: str, message: str) -> None:
