@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from harness import run_on_terminal
 
 from gpubalance.analyzer.baselines import CLASSIFIERS
 from gpubalance.cli import main
@@ -197,3 +200,17 @@ def test_bad_input_exits_2_naming_what_is_wrong(
     err = capsys.readouterr().err
     assert err.startswith("gpubalance bench loop: ") and message in err, err
     assert "Traceback" not in err
+
+
+def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path: Path) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(TWO_CARDS)
+    command = [sys.executable, "-m", "gpubalance", "bench", "loop", "--scenario", str(path)]
+    command += ["--policy", "controller", "--duration", "60", "--json"]
+    ran = run_on_terminal(command, timeout=120)
+    assert ran.returncode == 0
+    assert b"simulated" in ran.shown, ran.shown
+    assert json.loads(ran.stdout)["passes"] == 2  # the bar went to the terminal, not stdout
+    piped = subprocess.run(command, capture_output=True, timeout=120, check=True)
+    assert piped.stderr == b""
+    assert json.loads(piped.stdout)["policy"] == "controller"
