@@ -196,13 +196,16 @@ class ServiceClient:
 
 @dataclass(slots=True)
 class ClosedLoop:
-    """A run with the analyzer and the controller on it; :meth:`run` takes it to the end."""
+    """A run with the analyzer and the controller on it: :meth:`step` by step, or
+    :meth:`run_to_end`."""
 
     run: FastRun
     service: AnalyzerService
     controller: Controller
     window_seconds: float
     reports: list[PassReport] = dataclasses.field(default_factory=list)
+    # every recommendation the analyzer made over the run: id -> action
+    recommended: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def step(self) -> PassReport:
         """Run to the end of the next window; the analyzer's cycle, then one controller pass."""
@@ -210,6 +213,8 @@ class ClosedLoop:
         k = math.floor(run.env.now / self.window_seconds + 1e-9) + 1
         run.advance(k * self.window_seconds + _AFTER)
         self.service.cycle()
+        for recommendation in self.service.recommendations().recommendations:
+            self.recommended[recommendation.id] = recommendation.action
         report = asyncio.run(self.controller.run_once())
         self.reports.append(report)
         return report

@@ -54,6 +54,7 @@ POLICIES: dict[str, str] = {
     "oracle": "pooled",
 }
 ALL = "all"  # the latency row over every class
+REFUSED = frozenset({"rejected", "waiting", "failed"})  # the audit log's refusals
 
 
 class BenchError(Exception):
@@ -79,6 +80,10 @@ class LoopResult:
     idle_while_queued_ratio: float | None
     utilization_spread_ratio: float | None
     actions: dict[str, int] = field(default_factory=dict)  # applied, by action
+    # the analyzer's recommendations over the run, by action, and the controller's refusals
+    # of them, by reason (each recommendation and reason once)
+    recommended: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
     max_actions_per_freeze: int = 0  # on any one server within freeze_seconds
     passes: int = 0
 
@@ -136,6 +141,7 @@ def run_policy(
     run.start()
     audit: list[dict[str, Any]] = []
     passes = 0
+    recommended: dict[str, str] = {}
     if policy == "controller":
         settings = settings or bench_settings(scenario.truth_window_seconds)
         with tempfile.TemporaryDirectory(prefix="gpubalance-loop-") as tmp:
@@ -146,8 +152,20 @@ def run_policy(
             loop.controller.audit.close()
             audit = loop.controller.audit.entries()
             passes = len(loop.reports)
+            recommended = loop.recommended
     result = run.finish()
-    return _figures(changed, policy, seed_value, duration_seconds, result, audit, settings, passes)
+    figures = _figures(changed, policy, seed_value, duration_seconds, result, audit, settings)
+    refused = {
+        (e["recommendation"], str(e["reason"]).split(":")[0])
+        for e in audit
+        if e.get("decision") in REFUSED
+    }
+    return dataclasses.replace(
+        figures,
+        passes=passes,
+        recommended=dict(sorted(Counter(recommended.values()).items())),
+        refused=dict(sorted(Counter(reason for _, reason in refused).items())),
+    )
 
 
 def _figures(
@@ -158,7 +176,6 @@ def _figures(
     result: RunResult,
     audit: Sequence[dict[str, Any]],
     settings: Settings | None,
-    passes: int,
 ) -> LoopResult:
     from gpubalance.analyzer.features import FeatureBuilder
     from gpubalance.analyzer.frames import frames_from_samples
@@ -201,7 +218,6 @@ def _figures(
         utilization_spread_ratio=max(means) - min(means) if means else None,
         actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
         max_actions_per_freeze=_most_per_freeze(applied, settings),
-        passes=passes,
     )
 
 
@@ -363,11 +379,18 @@ def format_result(result: LoopResult) -> str:
             f"{_ms(figures.p99_seconds):>10}"
         )
     actions = ", ".join(f"{k} {v}" for k, v in result.actions.items()) or "none"
+    recommended = ", ".join(f"{k} {v}" for k, v in result.recommended.items()) or "none"
+    refused = ", ".join(f"{k} {v}" for k, v in result.refused.items()) or "none"
     lines += [
         f"idle while queued {_pct(result.idle_while_queued_ratio)}, utilization spread "
         f"{_pct(result.utilization_spread_ratio)}",
-        f"actions: {actions} (at most {result.max_actions_per_freeze} on one server per freeze)"
-        if result.policy == "controller"
-        else "actions: none (no controller)",
     ]
+    if result.policy == "controller":
+        lines += [
+            f"recommended: {recommended}; refused or waiting: {refused}",
+            f"actions: {actions} (at most {result.max_actions_per_freeze} on one server per "
+            "freeze)",
+        ]
+    else:
+        lines.append("actions: none (no controller)")
     return "\n".join(lines)
