@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,11 +207,13 @@ class ClosedLoop:
     # every recommendation the analyzer made over the run: id -> action
     recommended: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    def _next_window_end(self) -> float:
+        now = self.run.env.now
+        return (math.floor(now / self.window_seconds + 1e-9) + 1) * self.window_seconds
+
     def step(self) -> PassReport:
         """Run to the end of the next window; the analyzer's cycle, then one controller pass."""
-        run = self.run
-        k = math.floor(run.env.now / self.window_seconds + 1e-9) + 1
-        run.advance(k * self.window_seconds + _AFTER)
+        self.run.advance(self._next_window_end() + _AFTER)
         self.service.cycle()
         for recommendation in self.service.recommendations().recommendations:
             self.recommended[recommendation.id] = recommendation.action
@@ -220,10 +222,9 @@ class ClosedLoop:
         return report
 
     def run_to_end(self) -> None:
-        # the last pass is at the last whole window's end
-        while (math.floor(self.run.env.now / self.window_seconds + 1e-9) + 1) * (
-            self.window_seconds
-        ) <= self.run.duration:
+        """A pass at the end of every whole window left (the run's :meth:`FastRun.finish`
+        then answers what is in flight)."""
+        while self._next_window_end() <= self.run.duration:
             self.step()
 
 
@@ -238,7 +239,10 @@ def closed_loop(
     """Analyzer and controller on ``run`` (started: :meth:`FastRun.start`), one pass per
     analysis window (the scenario's truth window, as `gpubalance.lab.apply` uses)."""
     window = run.scenario.truth_window_seconds
-    clock: Callable[[], float] = lambda: ORIGIN_SECONDS + run.env.now  # noqa: E731
+
+    def clock() -> float:  # both read the simulated time, in Unix seconds as the frames carry
+        return ORIGIN_SECONDS + run.env.now
+
     service = AnalyzerService(
         RunSource(run),
         classifier,
@@ -247,9 +251,9 @@ def closed_loop(
         clock=clock,
     )
     controller = Controller(
-        LabBalancer(run),  # type: ignore[arg-type]
+        LabBalancer(run),  # type: ignore[arg-type]  # RuntimeApi's reads, on the lab
         LabActuator(run),
-        ServiceClient(service),  # type: ignore[arg-type]
+        ServiceClient(service),  # type: ignore[arg-type]  # AnalyzerClient's two calls
         AuditLog(audit_path),
         Metrics(),
         settings,
