@@ -154,29 +154,27 @@ def run_policy(
             passes = len(loop.reports)
             recommended = loop.recommended
     result = run.finish()
-    figures = _figures(changed, policy, seed_value, duration_seconds, result, audit, settings)
+    figures = _figures(changed, policy, seed_value, duration_seconds, result)
     refused = {
         (e["recommendation"], str(e["reason"]).split(":")[0])
         for e in audit
         if e.get("decision") in REFUSED
     }
+    applied = [e for e in audit if e.get("decision") == "applied"]
     return dataclasses.replace(
         figures,
-        passes=passes,
+        actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
         recommended=dict(sorted(Counter(recommended.values()).items())),
         refused=dict(sorted(Counter(reason for _, reason in refused).items())),
+        max_actions_per_freeze=_most_per_freeze(applied, settings),
+        passes=passes,
     )
 
 
 def _figures(
-    plan: Plan,
-    policy: str,
-    seed_value: int,
-    duration: float,
-    result: RunResult,
-    audit: Sequence[dict[str, Any]],
-    settings: Settings | None,
+    plan: Plan, policy: str, seed_value: int, duration: float, result: RunResult
 ) -> LoopResult:
+    """What the run's requests and telemetry say, whoever balanced it."""
     from gpubalance.analyzer.features import FeatureBuilder
     from gpubalance.analyzer.frames import frames_from_samples
     from gpubalance.analyzer.verdict import idle_while_queued_ratio
@@ -205,7 +203,6 @@ def _figures(
         if frame.utilization_mean_ratio is not None:
             per_gpu.setdefault(frame.gpu, []).append(frame.utilization_mean_ratio)
     means = [statistics.fmean(v) for v in per_gpu.values()]
-    applied = [e for e in audit if e.get("decision") == "applied"]
     return LoopResult(
         scenario=scenario.name,
         policy=policy,
@@ -216,8 +213,6 @@ def _figures(
         latency=latency,
         idle_while_queued_ratio=None if table is None else idle_while_queued_ratio(table),
         utilization_spread_ratio=max(means) - min(means) if means else None,
-        actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
-        max_actions_per_freeze=_most_per_freeze(applied, settings),
     )
 
 
