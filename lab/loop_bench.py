@@ -244,6 +244,10 @@ def _most_per_freeze(applied: Sequence[dict[str, Any]], settings: Settings | Non
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """`gpubalance bench` itself has only its subcommands."""
+    parser.description = (
+        "Benchmarks on the lab. `gpubalance bench loop`: one scenario under one balancing "
+        "policy at the fast speed, the controller's closed loop included."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
