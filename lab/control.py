@@ -50,7 +50,9 @@ from gpubalance.telemetry import Sample
 
 # srv_admin_state bits as `show servers state` reports them (SRV_ADMF_FMAINT, SRV_ADMF_FDRAIN)
 _ADMIN_BITS = {"ready": 0, "drain": 0x08, "maint": 0x01}
-# windows of telemetry the analyzer reads each cycle: as an exporter's history holds
+# windows of telemetry the analyzer reads each cycle (10 minutes at 30 s): more than an
+# exporter's default 300 s of history, less than a Prometheus source can give; the capacity
+# model fits on what they hold
 HISTORY_WINDOWS = 20
 # a pass runs just after a window's last sample (SimPy runs the events due at a time only
 # once the clock moves past it)
@@ -153,7 +155,7 @@ class LabActuator:
 
 class RunSource:
     """The analyzer's source on a running lab: its telemetry samples so far, windows from the
-    run's start, the last `history_windows` of them (an exporter's history)."""
+    run's start, the last `history_windows` of them (as an exporter's or Prometheus' history)."""
 
     def __init__(self, run: FastRun, history_windows: int = HISTORY_WINDOWS) -> None:
         self.run = run
