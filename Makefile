@@ -64,6 +64,7 @@ bench: venv system-deps fakenvml
 	$(PY) bench/lab.py
 	$(PY) bench/validation.py
 	$(PY) bench/analyzer.py
+	$(PY) bench/loop.py
 	$(PY) bench/fuzz.py --exposition $(FUZZ_INPUTS) --otlp $(FUZZ_INPUTS)
 
 # 30 minutes: too long for `make bench`; the tests run a 2-minute version
