@@ -1,0 +1,258 @@
+"""The worker supervisor: starts, stops and observes one serving worker process per GPU.
+
+A worker is started from the command template in the controller's config (`controller.workers`
+in the config file), its placeholders `{gpu}`, `{port}`, `{pool}` and `{host}` filled in, with
+`CUDA_VISIBLE_DEVICES` set to its GPU (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA counts the cards
+as NVML and the exporter do). It runs in a session of its own, so it outlives a controller that
+is killed, and is stopped as a process group (a serving stack's own children with it).
+
+Nothing about the workers is remembered: each `observe` finds them in /proc by the environment
+they were started with (`GPUBALANCE_SUPERVISOR`, `GPUBALANCE_GPU`, `GPUBALANCE_POOL`,
+`GPUBALANCE_PORT`), and asks each its health check. A started worker loads its model first and
+serves nothing meanwhile: it is ready when its health check answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpubalance.controller.haproxy import check_name
+
+MARK = "GPUBALANCE_SUPERVISOR"
+_PLACEHOLDERS = ("gpu", "port", "pool", "host")
+_HEALTH_TIMEOUT_SECONDS = 2.0
+
+
+class SupervisorError(RuntimeError):
+    """A worker could not be started or stopped; the message says why."""
+
+
+class WorkersConfig(BaseModel):
+    """`controller.workers` in the config file: how the supervisor runs a GPU's worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command: tuple[str, ...] = Field(min_length=1)  # with {gpu} {port} {pool} {host}
+    gpus: tuple[int, ...] = Field(min_length=1)  # the GPUs whose workers it manages
+    instance: str = "gpubalance"  # tells this controller's workers from another's
+    host: str = "127.0.0.1"  # where the workers listen, and HAProxy reaches them
+    health_path: str = "/healthz"
+    ready_timeout_seconds: float = Field(default=300.0, gt=0)  # model load, bounded
+    stop_timeout_seconds: float = Field(default=30.0, gt=0)  # SIGTERM, then SIGKILL
+    server_name: str = "gpu{gpu}"  # the HAProxy server a GPU's worker is, in its pool
+    weight: int = Field(default=100, ge=1, le=256)  # of a server added to a pool
+    state_dir: Path = Path("gpubalance-controller")  # the move's intent record, worker logs
+
+    @field_validator("command")
+    @classmethod
+    def _placeholders(cls, command: tuple[str, ...]) -> tuple[str, ...]:
+        for word in command:
+            try:
+                word.format(**dict.fromkeys(_PLACEHOLDERS, ""))
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"{word!r}: only {', '.join('{' + p + '}' for p in _PLACEHOLDERS)} "
+                    f"are filled in ({exc!r})"
+                ) from None
+        if not any("{port}" in word for word in command):
+            raise ValueError("the command must pass the worker its {port}")
+        return command
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, gpus: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+            raise ValueError(f"GPU indexes {list(gpus)} must be distinct and not negative")
+        return gpus
+
+    @field_validator("server_name")
+    @classmethod
+    def _server_name(cls, template: str) -> str:
+        check_name("server name", template.replace("{gpu}", "0"))
+        return template
+
+    @field_validator("instance")
+    @classmethod
+    def _instance(cls, instance: str) -> str:
+        check_name("instance", instance)
+        return instance
+
+    def server_of(self, gpu: int) -> str:
+        return self.server_name.replace("{gpu}", str(gpu))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProcess:
+    """One GPU's worker as /proc and its health check show it now."""
+
+    gpu: int
+    pool: str  # the backend it was started for
+    pid: int
+    host: str
+    port: int
+    started_seconds: float  # Unix time it was started
+    ready: bool  # its health check answered 200
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # the state follows the command's closing parenthesis; a zombie has exited
+            if stat.read().rpartition(b")")[2].split()[0] == b"Z":
+                return None
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (OSError, IndexError):
+        return None  # gone, or another user's
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class Supervisor:
+    def __init__(self, config: WorkersConfig) -> None:
+        self.config = config
+
+    def _marked(self) -> dict[int, dict[str, str]]:
+        """PID -> environment of each live process this supervisor started (and their
+        children, which inherit the environment)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                env = _environ(int(entry.name))
+                if env is not None and env.get(MARK) == self.config.instance:
+                    found[int(entry.name)] = env
+        return found
+
+    def processes(self) -> list[WorkerProcess]:
+        """The workers /proc shows, not yet asked whether they are ready."""
+        marked = self._marked()
+        workers = []
+        for pid, env in marked.items():
+            if _parent(pid) in marked:
+                continue  # a worker's own child
+            try:
+                gpu, port = int(env["GPUBALANCE_GPU"]), int(env["GPUBALANCE_PORT"])
+                started = float(env["GPUBALANCE_STARTED_SECONDS"])
+                pool = env["GPUBALANCE_POOL"]
+            except (KeyError, ValueError):
+                continue  # marked by hand, not by start()
+            workers.append(WorkerProcess(gpu, pool, pid, self.config.host, port, started, False))
+        return workers
+
+    async def observe(self, session: aiohttp.ClientSession) -> dict[int, WorkerProcess]:
+        """GPU -> its worker, each asked its health check (in parallel, bounded)."""
+        workers = await asyncio.to_thread(self.processes)
+
+        async def ready(worker: WorkerProcess) -> WorkerProcess:
+            url = f"http://{worker.host}:{worker.port}{self.config.health_path}"
+            timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_SECONDS)
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url, timeout=timeout) as resp:
+                    return replace(worker, ready=resp.status == 200)
+            return worker
+
+        found = await asyncio.gather(*(ready(w) for w in workers))
+        by_gpu: dict[int, WorkerProcess] = {}
+        for worker in sorted(found, key=lambda w: w.started_seconds):
+            by_gpu[worker.gpu] = worker  # two on one GPU: the later one is what a move made
+        return by_gpu
+
+    def start(self, gpu: int, pool: str) -> WorkerProcess:
+        """Start the worker of `pool` on `gpu`; it is ready once `observe` says so."""
+        if gpu not in self.config.gpus:
+            raise SupervisorError(f"GPU {gpu} is not among the managed GPUs {self.config.gpus}")
+        check_name("pool", pool)
+        port = _free_port(self.config.host)
+        values = {"gpu": gpu, "port": port, "pool": pool, "host": self.config.host}
+        argv = [word.format(**values) for word in self.config.command]
+        started = time.time()
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": str(gpu),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            MARK: self.config.instance,
+            "GPUBALANCE_GPU": str(gpu),
+            "GPUBALANCE_POOL": pool,
+            "GPUBALANCE_PORT": str(port),
+            "GPUBALANCE_STARTED_SECONDS": repr(started),
+        }
+        logs = self.config.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"gpu{gpu}.log").open("ab") as log:
+            try:
+                process = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
+        return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
+
+    async def wait_ready(
+        self, session: aiohttp.ClientSession, gpu: int, timeout_seconds: float | None = None
+    ) -> WorkerProcess:
+        """The GPU's worker once its health check answers; SupervisorError when it exits or
+        the time (`ready_timeout_seconds` by default) runs out first."""
+        limit = self.config.ready_timeout_seconds if timeout_seconds is None else timeout_seconds
+        deadline = time.monotonic() + limit
+        while True:
+            worker = (await self.observe(session)).get(gpu)
+            if worker is None:
+                raise SupervisorError(f"the worker of GPU {gpu} exited during start-up")
+            if worker.ready:
+                return worker
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"the worker of GPU {gpu} was not ready within {limit} s")
+            await asyncio.sleep(0.05)
+
+    def signal(self, worker: WorkerProcess, signum: int) -> None:
+        """Signal the worker's process group (its own children too); gone already is fine."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signum)
+
+    async def stop(self, worker: WorkerProcess) -> None:
+        """SIGTERM, and SIGKILL if it is still there after `stop_timeout_seconds`."""
+        self.signal(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout_seconds
+        while self._alive(worker):
+            if time.monotonic() > deadline:
+                self.signal(worker, signal.SIGKILL)
+                return
+            await asyncio.sleep(0.02)
+
+    def _alive(self, worker: WorkerProcess) -> bool:
+        with contextlib.suppress(ChildProcessError):
+            # reap our own child; a worker a killed controller left is reaped by init
+            os.waitpid(worker.pid, os.WNOHANG)
+        env = _environ(worker.pid)
+        return env is not None and env.get("GPUBALANCE_STARTED_SECONDS") == repr(
+            worker.started_seconds
+        )

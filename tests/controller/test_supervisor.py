@@ -1,0 +1,123 @@
+"""The worker supervisor over real worker processes (the lab's live worker, serve_worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from pydantic import ValidationError
+
+from gpubalance.controller.supervisor import Supervisor, SupervisorError, WorkersConfig
+
+SERVE_WORKER = str(Path(__file__).with_name("serve_worker.py"))
+
+
+def workers_config(
+    state_dir: Path,
+    *,
+    load_seconds: float = 0.1,
+    fail_pool: str | None = None,
+    instance: str = "test",
+    gpus: tuple[int, ...] = (0, 1, 2),
+    **fields: object,
+) -> WorkersConfig:
+    command = [sys.executable, SERVE_WORKER, "--port", "{port}", "--pool", "{pool}"]
+    command += ["--locks", str(state_dir / "locks"), "--load-seconds", str(load_seconds)]
+    if fail_pool is not None:
+        command += ["--fail-pool", fail_pool]
+    return WorkersConfig(
+        command=tuple(command),
+        gpus=gpus,
+        instance=instance,
+        state_dir=state_dir,
+        ready_timeout_seconds=60.0,
+        stop_timeout_seconds=10.0,
+        **fields,
+    )
+
+
+async def _infer(http: aiohttp.ClientSession, port: int) -> dict[str, object]:
+    body = {"id": 1, "prompt_tokens": 100, "output_tokens": 10}
+    async with http.post(f"http://127.0.0.1:{port}/infer", json=body) as resp:
+        assert resp.status == 200
+        return dict(await resp.json())
+
+
+def test_a_started_worker_runs_on_its_gpu_once_loaded_and_stops(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        supervisor = Supervisor(workers_config(tmp_path))
+        async with aiohttp.ClientSession() as http:
+            started = supervisor.start(1, "be_a")
+            try:
+                ready = await supervisor.wait_ready(http, 1)
+                assert (ready.pid, ready.port, ready.pool) == (
+                    started.pid,
+                    started.port,
+                    "be_a",
+                )
+                # the worker found its GPU in CUDA_VISIBLE_DEVICES
+                assert (await _infer(http, ready.port))["gpu"] == 1
+                # a restarted controller finds it again from /proc alone; another one does not
+                again = await Supervisor(workers_config(tmp_path)).observe(http)
+                assert again == {1: ready}
+                other = Supervisor(workers_config(tmp_path, instance="other"))
+                assert await other.observe(http) == {}
+            finally:
+                await supervisor.stop(started)
+            assert await supervisor.observe(http) == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_loading_worker_is_seen_but_not_ready(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        supervisor = Supervisor(workers_config(tmp_path, load_seconds=600))
+        async with aiohttp.ClientSession() as http:
+            started = supervisor.start(0, "be_b")
+            try:
+                # it answers its health check (503) while it loads: seen, not ready
+                async with asyncio.timeout(30):
+                    while True:
+                        url = f"http://127.0.0.1:{started.port}/healthz"
+                        try:
+                            async with http.get(url) as resp:
+                                if resp.status == 503:
+                                    break
+                        except aiohttp.ClientError:
+                            await asyncio.sleep(0.05)
+                seen = (await supervisor.observe(http))[0]
+                assert seen.pool == "be_b" and not seen.ready
+                with pytest.raises(SupervisorError, match=r"not ready within 0\.2 s"):
+                    await supervisor.wait_ready(http, 0, timeout_seconds=0.2)
+            finally:
+                await supervisor.stop(started)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_exits_while_loading_is_reported(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        supervisor = Supervisor(workers_config(tmp_path, fail_pool="be_b"))
+        async with aiohttp.ClientSession() as http:
+            supervisor.start(2, "be_b")
+            with pytest.raises(SupervisorError, match="GPU 2 exited during start-up"):
+                await supervisor.wait_ready(http, 2)
+        assert "does not fit on GPU 2" in (tmp_path / "logs" / "gpu2.log").read_text()
+        with pytest.raises(SupervisorError, match="GPU 7 is not among"):
+            supervisor.start(7, "be_a")
+
+    asyncio.run(scenario())
+
+
+def test_bad_worker_settings_are_refused_with_the_key() -> None:
+    with pytest.raises(ValidationError, match="must pass the worker its"):
+        WorkersConfig(command=("serve",), gpus=(0,))
+    with pytest.raises(ValidationError, match="only"):
+        WorkersConfig(command=("serve", "--port", "{port}", "{model}"), gpus=(0,))
+    with pytest.raises(ValidationError, match="distinct"):
+        WorkersConfig(command=("serve", "{port}"), gpus=(0, 0))
+    with pytest.raises(ValidationError, match="server name"):
+        WorkersConfig(command=("serve", "{port}"), gpus=(0,), server_name="gpu {gpu}")
