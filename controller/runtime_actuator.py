@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 
 from gpubalance.controller.actuator import ActuatorError
-from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError
+from gpubalance.controller.haproxy import AdminState, RuntimeApi, RuntimeApiError
 from gpubalance.controller.model import Change
 
 
@@ -27,6 +27,9 @@ class RuntimeApiActuator:
         else:
             assert isinstance(change.value, str)
             await self._call(self.api.set_state, change.backend, change.server, change.value)
+
+    async def set_state(self, backend: str, server: str, state: AdminState) -> None:
+        await self._call(self.api.set_state, backend, server, state)
 
     async def add_server(
         self, backend: str, server: str, host: str, port: int, weight: int

@@ -135,6 +135,7 @@ def _parent(pid: int) -> int:
 class Supervisor:
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
+        self._children: list[subprocess.Popen[bytes]] = []  # started here, reaped as they exit
 
     def _marked(self) -> dict[int, dict[str, str]]:
         """PID -> environment of each live process this supervisor started (and their
@@ -149,6 +150,7 @@ class Supervisor:
 
     def processes(self) -> list[WorkerProcess]:
         """The workers /proc shows, not yet asked whether they are ready."""
+        self._children = [child for child in self._children if child.poll() is None]
         marked = self._marked()
         workers = []
         for pid, env in marked.items():
@@ -214,6 +216,7 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
+        self._children.append(process)
         return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
 
     async def wait_ready(
@@ -249,9 +252,8 @@ class Supervisor:
             await asyncio.sleep(0.02)
 
     def _alive(self, worker: WorkerProcess) -> bool:
-        with contextlib.suppress(ChildProcessError):
-            # reap our own child; a worker a killed controller left is reaped by init
-            os.waitpid(worker.pid, os.WNOHANG)
+        # reaps our own children; a worker a killed controller left is reaped by init
+        self._children = [child for child in self._children if child.poll() is None]
         env = _environ(worker.pid)
         return env is not None and env.get("GPUBALANCE_STARTED_SECONDS") == repr(
             worker.started_seconds

@@ -1,10 +1,10 @@
 """The supervisor tests' worker command: the lab's live worker for the GPU in
 CUDA_VISIBLE_DEVICES, serving nothing (health check 503) until its model-load time is over.
 
-    python serve_worker.py --port P --pool NAME --locks DIR --load-seconds S [--fail-pool NAME]
+    python serve_worker.py --port P --pool NAME --locks DIR --load-seconds S [--fail-on GPU:POOL]
 
-A worker of `--fail-pool` exits with code 1 when its load is over, as one whose model does not
-fit would: the start the supervisor must undo.
+The worker of that pool on that GPU (`--fail-on 1:be_b`) exits with code 1 when its load is
+over, as one whose model does not fit there would: the start a move must undo.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.wait([loaded, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED")
     code = 0
     if not stop.is_set():
-        if args.pool == args.fail_pool:
+        if args.fail_on == f"{gpu}:{args.pool}":
             print(f"the model of {args.pool} does not fit on GPU {gpu}", file=sys.stderr)
             stop.set()
             code = 1
@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--pool", required=True)
     parser.add_argument("--locks", required=True)
     parser.add_argument("--load-seconds", type=float, default=0.5)
-    parser.add_argument("--fail-pool", default=None)
+    parser.add_argument("--fail-on", default=None)
     return asyncio.run(serve(parser.parse_args()))
 
 

@@ -3,40 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
+from controller_harness import workers_config
 from pydantic import ValidationError
 
 from gpubalance.controller.supervisor import Supervisor, SupervisorError, WorkersConfig
-
-SERVE_WORKER = str(Path(__file__).with_name("serve_worker.py"))
-
-
-def workers_config(
-    state_dir: Path,
-    *,
-    load_seconds: float = 0.1,
-    fail_pool: str | None = None,
-    instance: str = "test",
-    gpus: tuple[int, ...] = (0, 1, 2),
-    **fields: object,
-) -> WorkersConfig:
-    command = [sys.executable, SERVE_WORKER, "--port", "{port}", "--pool", "{pool}"]
-    command += ["--locks", str(state_dir / "locks"), "--load-seconds", str(load_seconds)]
-    if fail_pool is not None:
-        command += ["--fail-pool", fail_pool]
-    return WorkersConfig(
-        command=tuple(command),
-        gpus=gpus,
-        instance=instance,
-        state_dir=state_dir,
-        ready_timeout_seconds=60.0,
-        stop_timeout_seconds=10.0,
-        **fields,
-    )
 
 
 async def _infer(http: aiohttp.ClientSession, port: int) -> dict[str, object]:
@@ -100,7 +74,7 @@ def test_a_loading_worker_is_seen_but_not_ready(tmp_path: Path) -> None:
 
 def test_a_worker_that_exits_while_loading_is_reported(tmp_path: Path) -> None:
     async def scenario() -> None:
-        supervisor = Supervisor(workers_config(tmp_path, fail_pool="be_b"))
+        supervisor = Supervisor(workers_config(tmp_path, fail_on="2:be_b"))
         async with aiohttp.ClientSession() as http:
             supervisor.start(2, "be_b")
             with pytest.raises(SupervisorError, match="GPU 2 exited during start-up"):
