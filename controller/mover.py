@@ -267,9 +267,17 @@ class Mover:
         done: MovePass,
     ) -> None:
         now = observed.at_seconds
-        decision = next_step(intent, observed, workers, self.limits)
         last = intent.last
         redo = False
+        if last is not None and not last.recorded and self._audited(intent, last):
+            # killed after the audit line and before the intent's mark: only the mark is missing
+            intent = intent.recorded()
+            self.store.save(intent)
+            last = intent.last
+        if last is not None and last.action == "finish" and last.recorded:
+            self.store.clear()  # the end is recorded: only the record was left to remove
+            return
+        decision = next_step(intent, observed, workers, self.limits)
         if last is not None and not last.recorded:
             if last.action == "begin":
                 self._record_move(intent, "applied", "admitted (recorded after a restart)")
@@ -369,6 +377,22 @@ class Mover:
             done.acks.append((intent.recommendation_id, _ACK_OF[outcome], finished.detail))
         done.applied.append(f"move {intent.id}: {outcome}")
         log.info("move %s %s: %s", intent.id, outcome, finished.detail)
+
+    def _audited(self, intent: MoveIntent, step: Step) -> bool:
+        """Whether the audit log has `step` of this move (read only after a restart)."""
+
+        def has(entry: dict[str, Any]) -> bool:
+            if step.action == "begin":
+                return entry.get("decision") == "applied" and entry.get("action") == "move"
+            if step.action == "finish":
+                return entry.get("decision") in _ACK_OF and entry.get("action") == "move"
+            return (
+                entry.get("decision") == "step"
+                and entry.get("action") == step.action
+                and entry.get("phase") == step.phase
+            )
+
+        return any(e.get("move") == intent.id and has(e) for e in self.audit.entries())
 
     def _record_step(self, intent: MoveIntent, step: Step, decision: str, reason: str) -> None:
         self.audit.record(

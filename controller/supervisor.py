@@ -60,10 +60,10 @@ class WorkersConfig(BaseModel):
         for word in command:
             try:
                 word.format(**dict.fromkeys(_PLACEHOLDERS, ""))
-            except (KeyError, IndexError, ValueError) as exc:
+            except (KeyError, IndexError, ValueError):
                 raise ValueError(
                     f"{word!r}: only {', '.join('{' + p + '}' for p in _PLACEHOLDERS)} "
-                    f"are filled in ({exc!r})"
+                    "are filled in (write {{ and }} for a brace)"
                 ) from None
         if not any("{port}" in word for word in command):
             raise ValueError("the command must pass the worker its {port}")
