@@ -157,6 +157,9 @@ class Controller:
         observed = observed_from(states, stats, now, self.settings.backends)
         # what the analyzer no longer lists cannot come back to be logged or acked
         listed = {r.id for r in recommendations}
+        if self.mover is not None:
+            # a person's approved move waits in the mover, not in the analyzer's list
+            listed |= {m.recommendation_id for m in self.mover.approved}
         self._acked &= listed
         self._said = {said for said in self._said if said[0] in listed}
         open_recs = [

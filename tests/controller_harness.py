@@ -15,11 +15,13 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from harness import EchoServers
@@ -335,3 +337,46 @@ def move_log(audit_path: Path) -> list[tuple[str, str, str]]:
         for e in AuditLog(audit_path).entries()
         if "move" in e
     ]
+
+
+@dataclass
+class SteadyLoad:
+    """Requests at a steady rate per class through HAProxy's frontend, counted at the client:
+    each request sent ends answered (200 from a worker) or failed, with the reason."""
+
+    port: int
+    per_second: float  # per class
+    classes: tuple[str, ...] = ("a", "b")
+    sent: int = 0
+    answered: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until `stop` is set, then wait for every answer."""
+        period = 1.0 / (self.per_second * len(self.classes))
+        url = f"http://127.0.0.1:{self.port}/infer"
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            due = time.monotonic()
+            while not stop.is_set():
+                cls = self.classes[self.sent % len(self.classes)]
+                task = asyncio.create_task(self._one(http, url, self.sent, cls))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                self.sent += 1
+                due += period
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await asyncio.gather(*self._tasks)
+
+    async def _one(self, http: aiohttp.ClientSession, url: str, rid: int, cls: str) -> None:
+        body = {"id": rid, "prompt_tokens": 100, "output_tokens": 10}
+        try:
+            async with http.post(url, json=body, headers={"X-Class": cls}) as resp:
+                reply = await resp.text()
+                if resp.status == 200:
+                    self.answered += 1
+                else:
+                    self.failures[f"HTTP {resp.status}: {reply.strip()[:80]}"] += 1
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.failures[type(exc).__name__] += 1

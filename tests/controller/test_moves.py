@@ -157,3 +157,26 @@ def test_a_move_in_dry_run_is_recorded_and_changes_nothing(tmp_path: Path) -> No
             assert move_log(audit) == [("dry_run", "", "move")]
 
     asyncio.run(scenario())
+
+
+def test_moves_count_against_the_hourly_limit_and_a_wait_is_logged_once(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        workers = workers_config(tmp_path / "state")
+        async with (
+            aiohttp.ClientSession() as http,
+            Analyzer() as analyzer,
+            pools(tmp_path / "run", workers, http) as rig,
+        ):
+            audit = tmp_path / "audit.jsonl"
+            one = replace(FAST, max_actions_per_hour=1)
+            controller = make_mover_controller(rig, analyzer.url, http, audit, one)
+            controller.approve_move(1, "be_b")
+            await run_until_moved(controller)
+            controller.approve_move(1, "be_a")
+            for _ in range(3):
+                await controller.run_once()
+            assert controller.mover.in_flight() is None and rig.serving()["be_b"] == 2
+            waits = [e for e in AuditLog(audit).entries() if e["decision"] == "waiting"]
+            assert [e["reason"] for e in waits] == ["rate_limited: 1 actions in the last hour"]
+
+    asyncio.run(scenario())
