@@ -169,13 +169,14 @@ class Controller:
         ]
         self._seen = {r.id: self._seen.get(r.id, 0) + 1 for r in open_recs}
         self.history = [a for a in self.history if now - a.at_seconds < self._horizon]
-        moves = [r for r in open_recs if self.mover is not None and r.action == "move_worker"]
+        # with a mover, moves are its own; without one, plan refuses them as unsupported
+        moving = self.mover is not None
+        moves = [r for r in open_recs if moving and r.action == "move_worker"]
+        others = [r for r in open_recs if not (moving and r.action == "move_worker")]
         workers = await self.mover.observe() if self.mover is not None else {}
 
         # plan, guard
-        planned = plan(
-            observed, [r for r in open_recs if r not in moves], self.history, self.settings
-        )
+        planned = plan(observed, others, self.history, self.settings)
         changes, held = self._hold_moving(planned.changes)
         guarded = guard(
             changes,

@@ -36,7 +36,6 @@ RefusalReason = Literal[
     "paused",
     "moving",
     "move_in_flight",
-    "not_ready",
 ]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 
