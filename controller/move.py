@@ -226,7 +226,9 @@ def next_step(
     # its worker stopped
     if worker is not None and worker.pool != dest:
         stopped = intent.issued("stop")
-        if stopped is None:
+        if stopped is None or not stopped.recorded:
+            # unmarked, the SIGTERM may not have been sent before a crash: sending it (again)
+            # cannot stop the worker twice
             return Act("stop", detail=f"pid {worker.pid} ({worker.pool})", worker=worker)
         if now - stopped.at_seconds < limits.stop_timeout_seconds:
             return Wait(f"the worker of GPU {intent.gpu} (pid {worker.pid}) stops")

@@ -72,6 +72,10 @@ def test_a_worker_is_stopped_once_then_killed_when_it_outlives_the_timeout() -> 
     old = {1: worker("be_a")}
     first = next_step(intent(("move", "maint", T0)), seen(T0, GPU0, maint), old, LIMITS)
     assert isinstance(first, Act) and first.action == "stop" and first.worker == old[1]
+    # a stop a crash left unmarked may never have been sent: it is sent (again)
+    unmarked = intent(("move", "stop", T0), recorded=False)
+    again = next_step(unmarked, seen(T0 + 1, GPU0, maint), old, LIMITS)
+    assert isinstance(again, Act) and again.action == "stop"
     stopping = intent(("move", "stop", T0))
     assert isinstance(next_step(stopping, seen(T0 + 9, GPU0, maint), old, LIMITS), Wait)
     kill = next_step(stopping, seen(T0 + 11, GPU0, maint), old, LIMITS)

@@ -48,6 +48,10 @@ def test_an_approved_move_takes_the_gpu_to_the_other_pool_step_by_step(tmp_path:
             audit = tmp_path / "audit.jsonl"
             controller = make_mover_controller(rig, analyzer.url, http, audit)
             controller.approve_move(1, "be_b")
+            await controller.run_once()  # admitted: in flight, nothing changed yet
+            metrics = controller.metrics.registry
+            assert metrics.get_sample_value("gpubalance_controller_moves_in_flight") == 1
+            assert controller.status()["move"]["last_step"] == "begin"
             await run_until_moved(controller)
             assert rig.placement() == {
                 "be_a": [("gpu0", "ready", True)],
@@ -61,7 +65,6 @@ def test_an_approved_move_takes_the_gpu_to_the_other_pool_step_by_step(tmp_path:
             # converged: further passes do nothing
             report = await controller.run_once()
             assert report.applied == [] and move_log(audit) == MOVED
-            metrics = controller.metrics.registry
             assert metrics.get_sample_value("gpubalance_controller_moves_in_flight") == 0
             assert (
                 metrics.get_sample_value(

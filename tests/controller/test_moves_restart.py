@@ -60,7 +60,7 @@ async def _kill(process: asyncio.subprocess.Process) -> None:
 
 def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) -> None:
     async def scenario() -> None:
-        workers = workers_config(tmp_path / "state", stop_timeout_seconds=3.0)
+        workers = workers_config(tmp_path / "state")
         config = tmp_path / "gpubalance.yaml"
         config.write_text(
             yaml.safe_dump({"controller": {"workers": workers.model_dump(mode="json")}})
