@@ -43,8 +43,6 @@ StepAction = Literal[
     "undo",  # a failed start: from here on the GPU goes back to its old pool
     "finish",
 ]
-# the steps that change HAProxy (the rest change worker processes or only the record)
-HAPROXY_STEPS = frozenset({"drain", "maint", "del_server", "add_server", "set_addr", "ready"})
 Outcome = Literal["moved", "undone", "failed", "refused"]
 
 
