@@ -52,6 +52,9 @@ class WorkersConfig(BaseModel):
     stop_timeout_seconds: float = Field(default=30.0, gt=0)  # SIGTERM, then SIGKILL
     server_name: str = "gpu{gpu}"  # the HAProxy server a GPU's worker is, in its pool
     weight: int = Field(default=100, ge=1, le=256)  # of a server added to a pool
+    # the ports workers listen on: below Linux's ephemeral range (32768-60999), so that no
+    # outgoing connection on the host holds the port between its choice and the worker's bind
+    ports: tuple[int, int] = (20000, 20999)
     state_dir: Path = Path("gpubalance-controller")  # the move's intent record, worker logs
 
     @field_validator("command")
@@ -75,6 +78,13 @@ class WorkersConfig(BaseModel):
         if len(set(gpus)) != len(gpus) or min(gpus) < 0:
             raise ValueError(f"GPU indexes {list(gpus)} must be distinct and not negative")
         return gpus
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, ports: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= ports[0] <= ports[1] <= 65535:
+            raise ValueError(f"ports {list(ports)} must be [first, last] within 1..65535")
+        return ports
 
     @field_validator("server_name")
     @classmethod
@@ -105,10 +115,16 @@ class WorkerProcess:
     ready: bool  # its health check answered 200
 
 
-def _free_port(host: str) -> int:
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        # as the worker's server will bind it: a port whose last connections linger in
+        # TIME_WAIT is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _environ(pid: int) -> dict[str, str] | None:
@@ -188,7 +204,7 @@ class Supervisor:
         if gpu not in self.config.gpus:
             raise SupervisorError(f"GPU {gpu} is not among the managed GPUs {self.config.gpus}")
         check_name("pool", pool)
-        port = _free_port(self.config.host)
+        port = self._free_port()
         values = {"gpu": gpu, "port": port, "pool": pool, "host": self.config.host}
         argv = [word.format(**values) for word in self.config.command]
         started = time.time()
@@ -218,6 +234,18 @@ class Supervisor:
                 raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
         self._children.append(process)
         return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
+
+    def _free_port(self) -> int:
+        """The first port of `ports` that no worker of ours has and nothing else holds."""
+        taken = {w.port for w in self.processes()}
+        first, last = self.config.ports
+        for port in range(first, last + 1):
+            if port not in taken and _bindable(self.config.host, port):
+                return port
+        raise SupervisorError(
+            f"no free port in {first}..{last} on {self.config.host} for a worker; widen "
+            "controller.workers.ports"
+        )
 
     async def wait_ready(
         self, session: aiohttp.ClientSession, gpu: int, timeout_seconds: float | None = None

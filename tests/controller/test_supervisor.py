@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -95,3 +98,22 @@ def test_bad_worker_settings_are_refused_with_the_key() -> None:
         WorkersConfig(command=("serve", "{port}"), gpus=(0, 0))
     with pytest.raises(ValidationError, match="server name"):
         WorkersConfig(command=("serve", "{port}"), gpus=(0,), server_name="gpu {gpu}")
+
+
+def test_workers_get_ports_of_the_configured_range_that_nothing_holds(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        held.listen()
+        supervisor = Supervisor(workers_config(tmp_path, ports=(port, port)))
+        with pytest.raises(SupervisorError, match=re.escape(f"no free port in {port}..{port}")):
+            supervisor.start(0, "be_a")
+    # free again: the worker gets it
+    started = supervisor.start(0, "be_a")
+    try:
+        assert started.port == port
+        # a second worker cannot have the first one's port
+        with pytest.raises(SupervisorError, match=r"widen controller\.workers\.ports"):
+            supervisor.start(1, "be_a")
+    finally:
+        supervisor.signal(started, signal.SIGKILL)
