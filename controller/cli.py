@@ -15,8 +15,12 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpubalance.controller.model import Settings
+
+if TYPE_CHECKING:
+    from gpubalance.controller.supervisor import WorkersConfig
 
 DEFAULT_LISTEN = "127.0.0.1:9470"
 
@@ -73,6 +77,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--backend", action="append", metavar="NAME", help="a backend to manage (default: all)"
     )
     parser.add_argument("--host", help="act only on recommendations for this host name")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the config file; its controller.workers section (the worker command, the GPUs) "
+        "lets the controller move workers between pools",
+    )
     limits = parser.add_argument_group("guardrails")
     limits.add_argument("--interval", type=float, default=d.interval_seconds, help="seconds")
     limits.add_argument("--max-age", type=float, default=d.max_age_seconds, help="seconds")
@@ -130,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             breaker_window_seconds=args.breaker_window,
         )
         token = _token(args.token_file)
+        workers = _workers(args.config)
     except (ValueError, OSError) as exc:
         print(f"gpubalance controller: {exc}", file=sys.stderr)
         return 2
@@ -140,10 +151,35 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return asyncio.run(serve(args, settings, token))
+    return asyncio.run(serve(args, settings, token, workers))
 
 
-async def serve(args: argparse.Namespace, settings: Settings, token: str | None) -> int:
+def _workers(path: str | None) -> WorkersConfig | None:
+    from pydantic import ConfigDict, create_model
+
+    from gpubalance.config import ConfigError, load_section
+    from gpubalance.controller.supervisor import WorkersConfig
+
+    # the controller section holds only the workers' settings so far; flags set the rest
+    section = create_model(
+        "ControllerSection",
+        __config__=ConfigDict(extra="forbid"),
+        workers=(WorkersConfig | None, None),
+    )
+    if path is None:
+        return None
+    try:
+        return load_section(section, path, "controller").workers
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+async def serve(
+    args: argparse.Namespace,
+    settings: Settings,
+    token: str | None,
+    workers: WorkersConfig | None = None,
+) -> int:
     import aiohttp
     from aiohttp import web
 
@@ -154,6 +190,7 @@ async def serve(args: argparse.Namespace, settings: Settings, token: str | None)
     from gpubalance.controller.haproxy import RuntimeApi
     from gpubalance.controller.loop import Controller
     from gpubalance.controller.metrics import Metrics
+    from gpubalance.controller.mover import Mover
     from gpubalance.controller.runtime_actuator import RuntimeApiActuator
     from gpubalance.controller.server import ControlServer
     from gpubalance.webconfig import WebSecurity
@@ -179,13 +216,21 @@ async def serve(args: argparse.Namespace, settings: Settings, token: str | None)
     else:
         actuator = RuntimeApiActuator(api)
     async with aiohttp.ClientSession() as session:
+        audit, metrics = AuditLog(args.audit_log), Metrics()
+        mover = None
+        if workers is not None:
+            from gpubalance.controller.supervisor import Supervisor
+
+            runtime = RuntimeApiActuator(api)
+            mover = Mover(Supervisor(workers), runtime, audit, metrics, settings, session)
         controller = Controller(
             api,
             actuator,
             AnalyzerClient(args.analyzer, session, token=token),
-            AuditLog(args.audit_log),
-            Metrics(),
+            audit,
+            metrics,
             settings,
+            mover=mover,
         )
         app = ControlServer(controller, token).app()
         security.install(app)

@@ -1,9 +1,10 @@
 """HAProxy's runtime API: the client the controller acts through, and its parsers.
 
 One command per connection over the unix socket (`stats socket ... level admin` to change
-weights and states; `level user` is enough to observe). `show stat` and `show servers state`
-are parsed into plain rows; their column order changes between versions, so each header names
-the fields. The lab's live speed drives its HAProxy through this same client.
+weights and states and to add and delete servers; `level user` is enough to observe).
+`show stat` and `show servers state` are parsed into plain rows; their column order changes
+between versions, so each header names the fields. The lab's live speed drives its HAProxy
+through this same client.
 
 Verified against HAProxy 2.6 (Debian bookworm); see docs/reference/balancing.md §4.
 """
@@ -240,6 +241,47 @@ class RuntimeApi:
         if state not in ADMIN_STATES:
             raise ValueError(f"state {state!r} is not one of {', '.join(ADMIN_STATES)}")
         self._set(f"set server {_server_ref(backend, server)} state {state}")
+
+    def add_server(self, backend: str, server: str, host: str, port: int, weight: int) -> None:
+        """A server created at runtime, in `maint` (`set_state` readies it), health-checked
+        as the backend checks (`option httpchk`, else a TCP connect)."""
+        if not 0 <= weight <= MAX_WEIGHT:
+            raise ValueError(f"weight {weight} is outside HAProxy's 0..256")
+        _check_address(host, port)
+        ref = _server_ref(backend, server)
+        self._expect(
+            f"add server {ref} {host}:{port} weight {weight} check", "New server registered."
+        )
+        # 2.6 starts a dynamic server's checks only when asked; a backend without
+        # `option httpchk` checks the TCP connect
+        self._expect(f"enable health {ref}", "")
+
+    def del_server(self, backend: str, server: str) -> None:
+        """Remove a server HAProxy shows in `maint` with no sessions left."""
+        self._expect(f"del server {_server_ref(backend, server)}", "Server deleted.")
+
+    def set_addr(self, backend: str, server: str, host: str, port: int) -> None:
+        """Point a server at another address and port (a worker restarted elsewhere)."""
+        _check_address(host, port)
+        reply = self.command(f"set server {_server_ref(backend, server)} addr {host} port {port}")
+        # HAProxy says what changed ("IP changed from ...", "port changed from ...", "no need
+        # to change the addr"); an error names the command's problem instead
+        if not any(word in reply for word in ("changed from", "no need to change")):
+            raise RuntimeApiError(
+                f"HAProxy refused set server {backend}/{server} addr: {reply.strip()}"
+            )
+
+    def _expect(self, line: str, answer: str) -> None:
+        reply = self.command(line).strip()
+        if reply != answer:
+            raise RuntimeApiError(f"HAProxy refused {line!r}: {reply or 'no answer'}")
+
+
+def _check_address(host: str, port: int) -> None:
+    if not host or any(c.isspace() or c in ";#" for c in host):
+        raise ValueError(f"address {host!r} is empty or holds spaces")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 1..65535")
 
 
 def _server_ref(backend: str, server: str) -> str:

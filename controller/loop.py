@@ -8,6 +8,10 @@ the controller has acknowledged (the analyzer lists its acks) is finished.
 
 An unreachable HAProxy socket or analyzer means no action in that pass, `source_up` 0, and the
 next pass after a doubling back-off (up to `MAX_BACKOFF_SECONDS`).
+
+With a `Mover` (a worker supervisor configured), each pass also observes the workers, and
+moves a GPU's worker between pools one step per pass (mover.py); `move_worker`
+recommendations go to it, and the other changes leave the server in flight alone.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpubalance.controller.actuator import Actuator, ActuatorError
 from gpubalance.controller.analyzer_client import AnalyzerClient, AnalyzerError
@@ -29,6 +33,9 @@ from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Applied, Change, Refusal, Settings, observed_from
 from gpubalance.controller.plan import plan
 from gpubalance.diagnosis import AckStatus
+
+if TYPE_CHECKING:
+    from gpubalance.controller.mover import Mover
 
 log = logging.getLogger("gpubalance.controller")
 
@@ -49,6 +56,7 @@ class PassReport:
     applied: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     met: list[str] = field(default_factory=list)
+    moving: str | None = None  # what the move in flight waits for
 
 
 class Controller:
@@ -63,6 +71,7 @@ class Controller:
         *,
         identity: str = IDENTITY,
         clock: Callable[[], float] = time.time,
+        mover: Mover | None = None,
     ) -> None:
         self.api = api
         self.actuator = actuator
@@ -72,6 +81,7 @@ class Controller:
         self.settings = settings
         self.identity = identity
         self.clock = clock
+        self.mover = mover
         self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
         self.breaker_open = audit.breaker_open()
         self.rearmed_at = audit.last_rearm()
@@ -147,6 +157,9 @@ class Controller:
         observed = observed_from(states, stats, now, self.settings.backends)
         # what the analyzer no longer lists cannot come back to be logged or acked
         listed = {r.id for r in recommendations}
+        if self.mover is not None:
+            # a person's approved move waits in the mover, not in the analyzer's list
+            listed |= {m.recommendation_id for m in self.mover.approved}
         self._acked &= listed
         self._said = {said for said in self._said if said[0] in listed}
         open_recs = [
@@ -156,11 +169,17 @@ class Controller:
         ]
         self._seen = {r.id: self._seen.get(r.id, 0) + 1 for r in open_recs}
         self.history = [a for a in self.history if now - a.at_seconds < self._horizon]
+        # with a mover, moves are its own; without one, plan refuses them as unsupported
+        moving = self.mover is not None
+        moves = [r for r in open_recs if moving and r.action == "move_worker"]
+        others = [r for r in open_recs if not (moving and r.action == "move_worker")]
+        workers = await self.mover.observe() if self.mover is not None else {}
 
         # plan, guard
-        planned = plan(observed, open_recs, self.history, self.settings)
+        planned = plan(observed, others, self.history, self.settings)
+        changes, held = self._hold_moving(planned.changes)
         guarded = guard(
-            planned.changes,
+            changes,
             observed,
             self.history,
             self._seen,
@@ -183,7 +202,7 @@ class Controller:
             log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
 
         # record refusals and met recommendations, act
-        for refusal in (*planned.refusals, *guarded.refusals):
+        for refusal in (*planned.refusals, *held, *guarded.refusals):
             await self._refuse(refusal, now)
             report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
         for rec_id in planned.converged:
@@ -195,7 +214,44 @@ class Controller:
         for change in guarded.allowed:
             if await self._act(change, now):
                 report.applied.append(_describe(change))
+        if self.mover is not None:
+            moved = await self.mover.run(
+                observed,
+                workers,
+                moves,
+                self._seen,
+                self.history,
+                paused=self.paused,
+                breaker_open=self.breaker_open,
+            )
+            for refusal in moved.refusals:
+                await self._refuse(refusal, now)
+                report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
+            if self.settings.act:
+                for rec_id, status, reason in moved.acks:
+                    await self._ack(rec_id, status, reason)
+            self.history += moved.history
+            report.applied += moved.applied
+            report.moving = moved.waiting
         return report
+
+    def _hold_moving(self, changes: tuple[Change, ...]) -> tuple[tuple[Change, ...], list[Refusal]]:
+        """The changes to servers other than the one moving, and a wait for each of the rest."""
+        moving = self.mover.moving_servers() if self.mover is not None else frozenset()
+        held = [
+            Refusal(
+                c.recommendation_id, "moving", f"{c.key} is moving to another pool", None, c.key
+            )
+            for c in changes
+            if c.server in moving
+        ]
+        return tuple(c for c in changes if c.server not in moving), held
+
+    def approve_move(self, gpu: int, to: str) -> str:
+        """A person's approved move (POST /api/v1/moves): admitted at the next pass."""
+        if self.mover is None:
+            raise ValueError("moves need a worker supervisor: set controller.workers in --config")
+        return self.mover.approve(gpu, to)
 
     def _first(self, decision: str, rec_id: str, target: str, reason: str) -> bool:
         key = (rec_id, target, decision, reason)
@@ -293,6 +349,7 @@ class Controller:
                 1 for a in self.history if self.clock() - a.at_seconds < HOUR_SECONDS
             ),
             "last_pass": None if last is None else asdict(last),
+            "move": None if self.mover is None else self.mover.in_flight(),
         }
 
 

@@ -15,8 +15,9 @@ class Metrics:
         r = self.registry
         self.actions = Counter(
             "gpubalance_controller_actions",
-            "Changes decided, by action (set_weight, drain, ready, maint) and outcome "
-            "(applied, dry_run, failed)",
+            "Changes decided, by action (set_weight, drain, ready, maint; move, a worker's "
+            "move to another pool, and its steps when one fails) and outcome (applied, "
+            "dry_run, failed)",
             ["action", "outcome"],
             registry=r,
         )
@@ -54,6 +55,11 @@ class Metrics:
         )
         for source in SOURCES:
             self.source_errors.labels(source)
+        self.moves_in_flight = Gauge(
+            "gpubalance_controller_moves_in_flight",
+            "1 while a worker's move between pools is under way (at most one at a time)",
+            registry=r,
+        )
         self.cycle_duration = Histogram(
             "gpubalance_controller_cycle_duration_seconds",
             "Time of one observe-plan-guard-act-record pass",

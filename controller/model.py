@@ -34,6 +34,8 @@ RefusalReason = Literal[
     "rate_limited",
     "breaker_open",
     "paused",
+    "moving",
+    "move_in_flight",
 ]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 
@@ -53,6 +55,8 @@ class ObservedServer:
     initial_weight: int  # the weight in HAProxy's config
     up: bool  # running and not failing its health checks
     sessions: int  # requests in flight now
+    address: str = ""  # where HAProxy sends its requests
+    port: int = 0
 
     @property
     def key(self) -> str:
@@ -102,6 +106,8 @@ def observed_from(
             # op_state 2 is running; a failing health check shows as DOWN in `show stat`
             up=state.op_state == 2 and not status.startswith("DOWN"),
             sessions=stat.scur if stat is not None else 0,
+            address=state.address,
+            port=state.port,
         )
     return Observed(at_seconds=at_seconds, servers=servers)
 

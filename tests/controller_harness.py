@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import signal
 import socket
+import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from harness import EchoServers
@@ -28,7 +33,9 @@ from gpubalance.controller.haproxy import RuntimeApi
 from gpubalance.controller.loop import Controller
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Settings
+from gpubalance.controller.mover import Mover
 from gpubalance.controller.runtime_actuator import RuntimeApiActuator
+from gpubalance.controller.supervisor import Supervisor, WorkersConfig
 from gpubalance.diagnosis import Recommendation
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
@@ -188,3 +195,188 @@ def make_controller(
 
 def weights(api: RuntimeApi, backend: str = "be") -> dict[str, tuple[int, str]]:
     return {s.server: (s.uweight, s.admin) for s in api.show_servers_state(backend)}
+
+
+SERVE_WORKER = str(Path(__file__).parent / "controller" / "serve_worker.py")
+
+
+def workers_config(
+    state_dir: Path,
+    *,
+    load_seconds: float = 0.1,
+    fail_on: str | None = None,
+    instance: str | None = None,
+    gpus: tuple[int, ...] = (0, 1, 2),
+    **fields: Any,
+) -> WorkersConfig:
+    """Workers of serve_worker.py (the lab's live worker), after `load_seconds` of model load;
+    by default marked as this test's own (its state directory's), apart from any other test's."""
+    command = [sys.executable, SERVE_WORKER, "--port", "{port}", "--pool", "{pool}"]
+    command += ["--locks", str(state_dir / "locks"), "--load-seconds", str(load_seconds)]
+    if fail_on is not None:
+        command += ["--fail-on", fail_on]  # GPU:POOL, whose worker exits as it loads
+    settings: dict[str, Any] = {"ready_timeout_seconds": 60.0, "stop_timeout_seconds": 10.0}
+    return WorkersConfig(
+        command=tuple(command),
+        gpus=gpus,
+        instance=instance or "t-" + hashlib.sha1(str(state_dir).encode()).hexdigest()[:12],
+        state_dir=state_dir,
+        **{**settings, **fields},
+    )
+
+
+@dataclass
+class Pools:
+    """Workers on GPUs 0 and 1 serving be_a, on GPU 2 serving be_b, behind a real HAProxy that
+    routes `X-Class: a` and `b` to them; the workers are the supervisor's, servers `gpu{N}`."""
+
+    supervisor: Supervisor
+    haproxy: HaproxyProcess
+    config: HaproxyConfig
+
+    @property
+    def api(self) -> RuntimeApi:
+        return self.haproxy.api
+
+    @property
+    def port(self) -> int:
+        return self.config.frontends[0].port
+
+    def placement(self) -> dict[str, list[tuple[str, str, bool]]]:
+        """Backend -> (server, admin, up) of each of its servers, as HAProxy shows them."""
+        stats = {(s.pxname, s.svname): s.status for s in self.api.show_stat()}
+        found: dict[str, list[tuple[str, str, bool]]] = {"be_a": [], "be_b": []}
+        for s in self.api.show_servers_state():
+            up = s.op_state == 2 and not stats.get((s.backend, s.server), "").startswith("DOWN")
+            found[s.backend].append((s.server, s.admin, up))
+        return {backend: sorted(servers) for backend, servers in found.items()}
+
+    def serving(self) -> dict[str, int]:
+        """Backend -> how many of its servers take requests now."""
+        return {
+            backend: sum(1 for _, admin, up in servers if admin == "ready" and up)
+            for backend, servers in self.placement().items()
+        }
+
+
+PLACEMENT = {0: "be_a", 1: "be_a", 2: "be_b"}
+
+
+@contextlib.asynccontextmanager
+async def pools(
+    run_dir: Path, workers: WorkersConfig, http: Any, placement: Mapping[int, str] = PLACEMENT
+) -> AsyncIterator[Pools]:
+    supervisor = Supervisor(workers)
+    started = [supervisor.start(gpu, pool) for gpu, pool in placement.items()]
+    try:
+        ready = [await supervisor.wait_ready(http, w.gpu) for w in started]
+        backends = tuple(
+            Backend(
+                pool,
+                tuple(
+                    Server(workers.server_of(w.gpu), w.host, w.port)
+                    for w in ready
+                    if w.pool == pool
+                ),
+                health_check_path=workers.health_path,
+                health_check_interval_seconds=0.2,
+            )
+            for pool in sorted(set(placement.values()))
+        )
+        config = HaproxyConfig(
+            frontends=(Frontend("fe", free_port(), "be_a", routes={"a": "be_a", "b": "be_b"}),),
+            backends=backends,
+            run_dir=run_dir,
+        )
+        async with haproxy_over(config) as haproxy:
+            yield Pools(supervisor, haproxy, config)
+    finally:
+        # every worker of this supervisor, the ones a move started too
+        for worker in supervisor.processes():
+            supervisor.signal(worker, signal.SIGKILL)
+
+
+def make_mover_controller(
+    rig: Pools,
+    analyzer_url: str,
+    http: Any,
+    audit_path: Path,
+    settings: Settings = FAST,
+) -> Controller:
+    audit = AuditLog(audit_path)
+    metrics = Metrics()
+    api = RuntimeApi(rig.config.socket_path, timeout_seconds=2.0)
+    actuator = RuntimeApiActuator(api)
+    mover = Mover(Supervisor(rig.supervisor.config), actuator, audit, metrics, settings, http)
+    return Controller(
+        api,
+        actuator,
+        AnalyzerClient(analyzer_url, http, token=TOKEN),
+        audit,
+        metrics,
+        settings,
+        mover=mover,
+    )
+
+
+async def run_until_moved(controller: Controller, limit_seconds: float = 60.0) -> None:
+    """Passes, as the loop runs them, until no move is in flight and none is waiting."""
+    assert controller.mover is not None
+    async with asyncio.timeout(limit_seconds):
+        while True:
+            await controller.run_once()
+            if controller.mover.in_flight() is None and not controller.mover.approved:
+                return
+            await asyncio.sleep(controller.settings.interval_seconds)
+
+
+def move_log(audit_path: Path) -> list[tuple[str, str, str]]:
+    """(decision, phase, action) of each move entry in the audit log, in order."""
+    return [
+        (e["decision"], e.get("phase", ""), e["action"])
+        for e in AuditLog(audit_path).entries()
+        if "move" in e
+    ]
+
+
+@dataclass
+class SteadyLoad:
+    """Requests at a steady rate per class through HAProxy's frontend, counted at the client:
+    each request sent ends answered (200 from a worker) or failed, with the reason."""
+
+    port: int
+    per_second: float  # per class
+    classes: tuple[str, ...] = ("a", "b")
+    sent: int = 0
+    answered: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until `stop` is set, then wait for every answer."""
+        period = 1.0 / (self.per_second * len(self.classes))
+        url = f"http://127.0.0.1:{self.port}/infer"
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            due = time.monotonic()
+            while not stop.is_set():
+                cls = self.classes[self.sent % len(self.classes)]
+                task = asyncio.create_task(self._one(http, url, self.sent, cls))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                self.sent += 1
+                due += period
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await asyncio.gather(*self._tasks)
+
+    async def _one(self, http: aiohttp.ClientSession, url: str, rid: int, cls: str) -> None:
+        body = {"id": rid, "prompt_tokens": 100, "output_tokens": 10}
+        try:
+            async with http.post(url, json=body, headers={"X-Class": cls}) as resp:
+                reply = await resp.text()
+                if resp.status == 200:
+                    self.answered += 1
+                else:
+                    self.failures[f"HTTP {resp.status}: {reply.strip()[:80]}"] += 1
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.failures[type(exc).__name__] += 1

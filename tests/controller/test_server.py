@@ -27,6 +27,7 @@ from controller_harness import (
     make_controller,
     recommendation,
     weights,
+    workers_config,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter
@@ -34,7 +35,10 @@ from pydantic import TypeAdapter
 from gpubalance.cli import main
 from gpubalance.controller.analyzer_client import AnalyzerError, parse_recommendations
 from gpubalance.controller.loop import Controller
+from gpubalance.controller.mover import Mover
+from gpubalance.controller.runtime_actuator import RuntimeApiActuator
 from gpubalance.controller.server import ControlServer
+from gpubalance.controller.supervisor import Supervisor
 from gpubalance.diagnosis import Ack, ExpectedEffect, Recommendation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +97,52 @@ def test_pause_resume_and_rearm_need_the_bearer_token(tmp_path: Path) -> None:
                 async with http.post(f"{url}/api/v1/pause", headers=good) as r:
                     assert r.status == 403 and "--token-file" in await r.text()
                 assert not controller.paused
+
+    asyncio.run(scenario())
+
+
+def test_an_approved_move_needs_the_token_and_a_well_formed_body(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            controller = make_controller(
+                tmp_path / "none.sock", "http://127.0.0.1:9", http, tmp_path / "audit.jsonl"
+            )
+            mover = Mover(
+                Supervisor(workers_config(tmp_path / "state")),
+                RuntimeApiActuator(controller.api),
+                controller.audit,
+                controller.metrics,
+                controller.settings,
+                http,
+            )
+            controller.mover = mover
+            good = {"Authorization": f"Bearer {TOKEN}"}
+            async with serving(controller, TOKEN) as url:
+                moves = f"{url}/api/v1/moves"
+                async with http.post(moves, json={"gpu": 1, "to": "be_b"}) as r:
+                    assert r.status == 401
+                for body, error in (
+                    ({"to": "be_b"}, "gpu must be a GPU index, got None"),
+                    ({"gpu": True, "to": "be_b"}, "gpu must be a GPU index, got True"),
+                    ({"gpu": 1}, "to must name the backend to serve"),
+                    ([1, "be_b"], "gpu must be a GPU index"),
+                ):
+                    async with http.post(moves, json=body, headers=good) as r:
+                        assert r.status == 400 and error in (await r.json())["error"], body
+                async with http.post(moves, data=b"{", headers=good) as r:
+                    assert r.status == 400 and "must be JSON" in (await r.json())["error"]
+                assert mover.approved == []
+                async with http.post(moves, json={"gpu": 1, "to": "be_b"}, headers=good) as r:
+                    assert r.status == 202
+                    answer = await r.json()
+                assert answer["mode"] == "act" and answer["id"].startswith("approved-")
+                assert [(m.gpu, m.to) for m in mover.approved] == [(1, "be_b")]
+            # without a supervisor there is nothing to move with
+            controller.mover = None
+            async with serving(controller, TOKEN) as url:
+                body = {"gpu": 1, "to": "be_b"}
+                async with http.post(f"{url}/api/v1/moves", json=body, headers=good) as r:
+                    assert r.status == 409 and "controller.workers" in (await r.json())["error"]
 
     asyncio.run(scenario())
 

@@ -1,0 +1,288 @@
+"""The worker supervisor: starts, stops and observes one serving worker process per GPU.
+
+A worker is started from the command template in the controller's config (`controller.workers`
+in the config file), its placeholders `{gpu}`, `{port}`, `{pool}` and `{host}` filled in, with
+`CUDA_VISIBLE_DEVICES` set to its GPU (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA counts the cards
+as NVML and the exporter do). It runs in a session of its own, so it outlives a controller that
+is killed, and is stopped as a process group (a serving stack's own children with it).
+
+Nothing about the workers is remembered: each `observe` finds them in /proc by the environment
+they were started with (`GPUBALANCE_SUPERVISOR`, `GPUBALANCE_GPU`, `GPUBALANCE_POOL`,
+`GPUBALANCE_PORT`), and asks each its health check. A started worker loads its model first and
+serves nothing meanwhile: it is ready when its health check answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpubalance.controller.haproxy import check_name
+
+MARK = "GPUBALANCE_SUPERVISOR"
+_PLACEHOLDERS = ("gpu", "port", "pool", "host")
+_HEALTH_TIMEOUT_SECONDS = 2.0
+
+
+class SupervisorError(RuntimeError):
+    """A worker could not be started or stopped; the message says why."""
+
+
+class WorkersConfig(BaseModel):
+    """`controller.workers` in the config file: how the supervisor runs a GPU's worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command: tuple[str, ...] = Field(min_length=1)  # with {gpu} {port} {pool} {host}
+    gpus: tuple[int, ...] = Field(min_length=1)  # the GPUs whose workers it manages
+    instance: str = "gpubalance"  # tells this controller's workers from another's
+    host: str = "127.0.0.1"  # where the workers listen, and HAProxy reaches them
+    health_path: str = "/healthz"
+    ready_timeout_seconds: float = Field(default=300.0, gt=0)  # model load, bounded
+    stop_timeout_seconds: float = Field(default=30.0, gt=0)  # SIGTERM, then SIGKILL
+    server_name: str = "gpu{gpu}"  # the HAProxy server a GPU's worker is, in its pool
+    weight: int = Field(default=100, ge=1, le=256)  # of a server added to a pool
+    # the ports workers listen on: below Linux's ephemeral range (32768-60999), so that no
+    # outgoing connection on the host holds the port between its choice and the worker's bind
+    ports: tuple[int, int] = (20000, 20999)
+    state_dir: Path = Path("gpubalance-controller")  # the move's intent record, worker logs
+
+    @field_validator("command")
+    @classmethod
+    def _placeholders(cls, command: tuple[str, ...]) -> tuple[str, ...]:
+        for word in command:
+            try:
+                word.format(**dict.fromkeys(_PLACEHOLDERS, ""))
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(
+                    f"{word!r}: only {', '.join('{' + p + '}' for p in _PLACEHOLDERS)} "
+                    "are filled in (write {{ and }} for a brace)"
+                ) from None
+        if not any("{port}" in word for word in command):
+            raise ValueError("the command must pass the worker its {port}")
+        return command
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, gpus: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+            raise ValueError(f"GPU indexes {list(gpus)} must be distinct and not negative")
+        return gpus
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, ports: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= ports[0] <= ports[1] <= 65535:
+            raise ValueError(f"ports {list(ports)} must be [first, last] within 1..65535")
+        return ports
+
+    @field_validator("server_name")
+    @classmethod
+    def _server_name(cls, template: str) -> str:
+        check_name("server name", template.replace("{gpu}", "0"))
+        return template
+
+    @field_validator("instance")
+    @classmethod
+    def _instance(cls, instance: str) -> str:
+        check_name("instance", instance)
+        return instance
+
+    def server_of(self, gpu: int) -> str:
+        return self.server_name.replace("{gpu}", str(gpu))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProcess:
+    """One GPU's worker as /proc and its health check show it now."""
+
+    gpu: int
+    pool: str  # the backend it was started for
+    pid: int
+    host: str
+    port: int
+    started_seconds: float  # Unix time it was started
+    ready: bool  # its health check answered 200
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        # as the worker's server will bind it: a port whose last connections linger in
+        # TIME_WAIT is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # the state follows the command's closing parenthesis; a zombie has exited
+            if stat.read().rpartition(b")")[2].split()[0] == b"Z":
+                return None
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (OSError, IndexError):
+        return None  # gone, or another user's
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class Supervisor:
+    def __init__(self, config: WorkersConfig) -> None:
+        self.config = config
+        self._children: list[subprocess.Popen[bytes]] = []  # started here, reaped as they exit
+
+    def _marked(self) -> dict[int, dict[str, str]]:
+        """PID -> environment of each live process this supervisor started (and their
+        children, which inherit the environment)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                env = _environ(int(entry.name))
+                if env is not None and env.get(MARK) == self.config.instance:
+                    found[int(entry.name)] = env
+        return found
+
+    def processes(self) -> list[WorkerProcess]:
+        """The workers /proc shows, not yet asked whether they are ready."""
+        self._children = [child for child in self._children if child.poll() is None]
+        marked = self._marked()
+        workers = []
+        for pid, env in marked.items():
+            if _parent(pid) in marked:
+                continue  # a worker's own child
+            try:
+                gpu, port = int(env["GPUBALANCE_GPU"]), int(env["GPUBALANCE_PORT"])
+                started = float(env["GPUBALANCE_STARTED_SECONDS"])
+                pool = env["GPUBALANCE_POOL"]
+            except (KeyError, ValueError):
+                continue  # marked by hand, not by start()
+            workers.append(WorkerProcess(gpu, pool, pid, self.config.host, port, started, False))
+        return workers
+
+    async def observe(self, session: aiohttp.ClientSession) -> dict[int, WorkerProcess]:
+        """GPU -> its worker, each asked its health check (in parallel, bounded)."""
+        workers = await asyncio.to_thread(self.processes)
+
+        async def ready(worker: WorkerProcess) -> WorkerProcess:
+            url = f"http://{worker.host}:{worker.port}{self.config.health_path}"
+            timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_SECONDS)
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url, timeout=timeout) as resp:
+                    return replace(worker, ready=resp.status == 200)
+            return worker
+
+        found = await asyncio.gather(*(ready(w) for w in workers))
+        by_gpu: dict[int, WorkerProcess] = {}
+        for worker in sorted(found, key=lambda w: w.started_seconds):
+            by_gpu[worker.gpu] = worker  # two on one GPU: the later one is what a move made
+        return by_gpu
+
+    def start(self, gpu: int, pool: str) -> WorkerProcess:
+        """Start the worker of `pool` on `gpu`; it is ready once `observe` says so."""
+        if gpu not in self.config.gpus:
+            raise SupervisorError(f"GPU {gpu} is not among the managed GPUs {self.config.gpus}")
+        check_name("pool", pool)
+        port = self._free_port()
+        values = {"gpu": gpu, "port": port, "pool": pool, "host": self.config.host}
+        argv = [word.format(**values) for word in self.config.command]
+        started = time.time()
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": str(gpu),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            MARK: self.config.instance,
+            "GPUBALANCE_GPU": str(gpu),
+            "GPUBALANCE_POOL": pool,
+            "GPUBALANCE_PORT": str(port),
+            "GPUBALANCE_STARTED_SECONDS": repr(started),
+        }
+        logs = self.config.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"gpu{gpu}.log").open("ab") as log:
+            try:
+                process = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
+        self._children.append(process)
+        return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
+
+    def _free_port(self) -> int:
+        """The first port of `ports` that no worker of ours has and nothing else holds."""
+        taken = {w.port for w in self.processes()}
+        first, last = self.config.ports
+        for port in range(first, last + 1):
+            if port not in taken and _bindable(self.config.host, port):
+                return port
+        raise SupervisorError(
+            f"no free port in {first}..{last} on {self.config.host} for a worker; widen "
+            "controller.workers.ports"
+        )
+
+    async def wait_ready(
+        self, session: aiohttp.ClientSession, gpu: int, timeout_seconds: float | None = None
+    ) -> WorkerProcess:
+        """The GPU's worker once its health check answers; SupervisorError when it exits or
+        the time (`ready_timeout_seconds` by default) runs out first."""
+        limit = self.config.ready_timeout_seconds if timeout_seconds is None else timeout_seconds
+        deadline = time.monotonic() + limit
+        while True:
+            worker = (await self.observe(session)).get(gpu)
+            if worker is None:
+                raise SupervisorError(f"the worker of GPU {gpu} exited during start-up")
+            if worker.ready:
+                return worker
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"the worker of GPU {gpu} was not ready within {limit} s")
+            await asyncio.sleep(0.05)
+
+    def signal(self, worker: WorkerProcess, signum: int) -> None:
+        """Signal the worker's process group (its own children too); gone already is fine."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signum)
+
+    async def stop(self, worker: WorkerProcess) -> None:
+        """SIGTERM, and SIGKILL if it is still there after `stop_timeout_seconds`."""
+        self.signal(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout_seconds
+        while self._alive(worker):
+            if time.monotonic() > deadline:
+                self.signal(worker, signal.SIGKILL)
+                return
+            await asyncio.sleep(0.02)
+
+    def _alive(self, worker: WorkerProcess) -> bool:
+        # reaps our own children; a worker a killed controller left is reaped by init
+        self._children = [child for child in self._children if child.poll() is None]
+        env = _environ(worker.pid)
+        return env is not None and env.get("GPUBALANCE_STARTED_SECONDS") == repr(
+            worker.started_seconds
+        )

@@ -1,0 +1,145 @@
+"""kill -9 of the controller command in the middle of a move, at several of its steps: each
+restarted controller reads the intent record, re-observes HAProxy and the workers, and the move
+finishes with every step carried out once, and no pool without a serving server meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from controller_harness import (
+    TOKEN,
+    Analyzer,
+    free_port,
+    move_log,
+    needs_haproxy,
+    pools,
+    workers_config,
+)
+
+from gpubalance.controller.mover import INTENT_FILE
+
+pytestmark = needs_haproxy
+
+STEPS = ["drain", "maint", "stop", "del_server", "start", "add_server", "ready"]
+
+
+def _steps(intent_path: Path) -> list[str]:
+    try:
+        return [s["action"] for s in json.loads(intent_path.read_text())["steps"]]
+    except (FileNotFoundError, ValueError, KeyError):
+        return []  # no move in flight
+
+
+async def _start(args: list[str], log: Path) -> asyncio.subprocess.Process:
+    with log.open("ab") as out:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gpubalance",
+            "controller",
+            *args,
+            stdout=out,
+            stderr=out,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    process.send_signal(signal.SIGKILL)
+    await process.wait()
+
+
+def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        workers = workers_config(tmp_path / "state")
+        config = tmp_path / "gpubalance.yaml"
+        config.write_text(
+            yaml.safe_dump({"controller": {"workers": workers.model_dump(mode="json")}})
+        )
+        token = tmp_path / "token"
+        token.write_text(TOKEN)
+        intent = workers.state_dir / INTENT_FILE
+        audit = tmp_path / "audit.jsonl"
+        port = free_port()
+        async with (
+            aiohttp.ClientSession() as http,
+            Analyzer() as analyzer,
+            pools(tmp_path / "run", workers, http) as rig,
+        ):
+            args = [
+                *("--analyzer", analyzer.url, "--haproxy-socket", str(rig.config.socket_path)),
+                *("--act", "--listen", f"127.0.0.1:{port}", "--token-file", str(token)),
+                *("--audit-log", str(audit), "--interval", "0.05", "--config", str(config)),
+            ]
+            lowest = {"be_a": 2, "be_b": 1}
+
+            async def watch() -> None:
+                while True:
+                    for backend, n in (await asyncio.to_thread(rig.serving)).items():
+                        lowest[backend] = min(lowest[backend], n)
+                    await asyncio.sleep(0.01)
+
+            async def approve(gpu: int, to: str) -> dict[str, Any]:
+                url = f"http://127.0.0.1:{port}/api/v1/moves"
+                headers = {"Authorization": f"Bearer {TOKEN}"}
+                while True:
+                    try:
+                        body = {"gpu": gpu, "to": to}
+                        async with http.post(url, json=body, headers=headers) as resp:
+                            assert resp.status == 202, await resp.text()
+                            return dict(await resp.json())
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.05)  # not listening yet
+
+            watcher = asyncio.create_task(watch())
+            killed_at: list[list[str]] = []
+            try:
+                async with asyncio.timeout(240):
+                    for gpu_to, points in (
+                        (("be_b"), ["drain", "stop", "start", "add_server"]),
+                        (("be_a"), ["maint", "del_server", "ready"]),
+                    ):
+                        process = await _start(args, tmp_path / "controller.log")
+                        assert (await approve(1, gpu_to))["mode"] == "act"
+                        for point in points:
+                            while point not in _steps(intent):
+                                assert process.returncode is None
+                                await asyncio.sleep(0.005)
+                            await _kill(process)
+                            killed_at.append(_steps(intent))
+                            process = await _start(args, tmp_path / "controller.log")
+                        while intent.exists():
+                            await asyncio.sleep(0.02)
+                        process.send_signal(signal.SIGTERM)
+                        assert await process.wait() == 0
+            finally:
+                watcher.cancel()
+            assert rig.placement() == {
+                "be_a": [("gpu0", "ready", True), ("gpu1", "ready", True)],
+                "be_b": [("gpu2", "ready", True)],
+            }
+            assert lowest == {"be_a": 1, "be_b": 1}, "a pool was left with no serving server"
+            assert len(killed_at) == 7
+            # every step of both moves once, in order, whatever the kills interrupted
+            log = move_log(audit)
+            one_move = [
+                ("applied", "", "move"),
+                *(("step", "move", step) for step in STEPS),
+                ("moved", "", "move"),
+            ]
+            assert log == one_move * 2, (killed_at, log)
+            # and the workers agree: one start per move besides the first
+            starts = (workers.state_dir / "logs" / "gpu1.log").read_text().count(" loads ")
+            assert starts == 3
+            assert Counter(e[2] for e in log)["start"] == 2
+
+    asyncio.run(scenario())
