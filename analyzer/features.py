@@ -12,6 +12,7 @@ diagnosers compare a machine with the machines that should look like it.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import operator
@@ -293,27 +294,50 @@ class FeatureBuilder:
 
 
 class FeatureStream:
-    """A :class:`FeatureBuilder` that remembers: each :meth:`add` gives the rows of frames
-    later than any it was given before, their history the frames of the earlier calls, so
-    that a service reading a lookback every cycle builds only its new windows."""
+    """A :class:`FeatureBuilder` that remembers, for a service that reads a lookback every
+    cycle: each :meth:`add` builds only the windows after those it already made final, on
+    the history the earlier calls left.
+
+    The newest window of each call is provisional: the source may not hold all of its samples
+    yet (a scrape still on its way), so its rows are built on a copy of the history and built
+    again, from what the next call gives, until a later window comes. Rows of the windows
+    before are final: the same numbers :meth:`FeatureBuilder.transform` gives for all the
+    frames the calls were given.
+    """
 
     def __init__(self, history_windows: int = HISTORY_WINDOWS) -> None:
         self.history_windows = history_windows
         self._memory = _Memory(history_windows)
-        self.last_t_start = -math.inf  # the latest window added
+        self.final_t_start = -math.inf  # the latest window whose rows are final
 
     def add(self, frames: Iterable[GpuFrame]) -> FeatureTable:
-        """The rows of the frames of windows after :attr:`last_t_start`; earlier ones are
-        skipped (what was added before is not rebuilt)."""
-        new = [f for f in frames if f.t_start > self.last_t_start]
-        table = _build(new, self._memory)
-        if new:
-            self.last_t_start = max(f.t_start for f in new)
-        return table
+        """The rows of the frames of windows after :attr:`final_t_start` (those before it
+        were built once, final, and are skipped)."""
+        new = sorted((f for f in frames if f.t_start > self.final_t_start), key=_order)
+        if not new:
+            return _build([], self._memory)
+        newest = new[-1].t_start
+        final = [f for f in new if f.t_start < newest]
+        settled = _build(final, self._memory)
+        if final:
+            self.final_t_start = final[-1].t_start
+        latest = _build(new[len(final) :], copy.deepcopy(self._memory))
+        return concatenate([settled, latest])
+
+
+def concatenate(tables: Sequence[FeatureTable]) -> FeatureTable:
+    """The rows of ``tables``, one after another."""
+    frames = tuple(f for table in tables for f in table.frames)
+    values = np.concatenate([table.values for table in tables]) if tables else None
+    return FeatureTable(frames, np.empty((0, len(COLUMNS))) if values is None else values)
+
+
+def _order(frame: GpuFrame) -> tuple[float, str, int]:
+    return frame.t_start, frame.host, frame.gpu
 
 
 def _build(frames: Iterable[GpuFrame], memory: _Memory) -> FeatureTable:
-    ordered = sorted(frames, key=lambda f: (f.t_start, f.host, f.gpu))
+    ordered = sorted(frames, key=_order)
     values = np.empty((len(ordered), len(COLUMNS)), dtype=np.float64)
     if not ordered:
         return FeatureTable((), values)

@@ -20,7 +20,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
+from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureStream, FeatureTable
 from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
 from gpubalance.lab import generate, traffic
 from gpubalance.lab.fast import ORIGIN_SECONDS, simulate
@@ -126,3 +126,26 @@ def test_one_host_alone_gets_the_same_features(fleet: list[GpuFrame]) -> None:
     _assert_same(
         FeatureBuilder().transform(frames), _reference().FeatureBuilder().transform(frames)
     )
+
+
+def test_a_stream_fed_a_lookback_per_cycle_makes_the_same_final_rows(
+    fleet: list[GpuFrame],
+) -> None:
+    # every cycle reads the last 6 windows; the newest arrives short of its last GPUs (a
+    # scrape on its way) and comes whole in the next cycle's read
+    windows = sorted({f.t_start for f in fleet})
+    stream = FeatureStream()
+    rows: dict[tuple[float, str, str], np.ndarray] = {}
+    for end in range(1, len(windows) + 1):
+        lookback = set(windows[max(0, end - 6) : end])
+        pulled = [f for f in fleet if f.t_start in lookback]
+        if end < len(windows):
+            pulled = [f for f in pulled if f.t_start != windows[end - 1] or f.gpu < 2]
+        table = stream.add(pulled)
+        assert {f.t_start for f in table.frames} <= set(windows[max(0, end - 2) : end])
+        for frame, values in zip(table.frames, table.values, strict=True):
+            rows[(frame.t_start, frame.host, frame.uuid)] = values
+    whole = FeatureBuilder().transform(fleet)
+    assert len(rows) == len(whole.frames)
+    expected = np.array([rows[(f.t_start, f.host, f.uuid)] for f in whole.frames])
+    np.testing.assert_allclose(expected, whole.values, rtol=1e-9, atol=1e-12, equal_nan=True)
