@@ -274,7 +274,8 @@ class _Frames:
         self.live = (v["sample_count"] > 0) & (v["lost"] == 0)
         # (mean batch size, GPU seconds per batch) of a window: busy time over batches run
         size, utilization = v["batch_size_mean"], v["utilization_mean_ratio"]
-        completions = np.nan_to_num(v["completions_per_second"], nan=0.0)
+        completions = v["completions_per_second"]
+        completions = np.where(np.isnan(completions), 0.0, completions)  # None: no batches run
         self.point = (completions != 0) & (v["lost"] == 0) & (size >= 1) & (utilization > 0)
         self.point_seconds = np.where(self.point, utilization * size / completions, _NAN)
 
@@ -419,12 +420,11 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     group_rank = np.empty(len(group_first), dtype=np.int64)
     group_rank[np.argsort(group_first, kind="stable")] = np.arange(len(group_first))
     group = group_rank[group_inverse]
-    group_row = index[np.sort(group_first)]  # a row of each group, groups in order
-    group_local = np.sort(group_first)
+    group_local = np.sort(group_first)  # the first row of each group, groups in order
     batch = m.batch_ids(
         list(
             zip(
-                c.host[group_row].tolist(),
+                c.host[index[group_local]].tolist(),
                 card[group_local].tolist(),
                 names[group_local].tolist(),
                 strict=True,
@@ -630,7 +630,9 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     appended = np.flatnonzero(has_point[by_group])
     if len(appended):
         ids = batch[group[by_group][appended]]
-        position = (m.batch_points_n[ids] + in_group_rank(group[by_group], appended)) % BATCH_POINTS
+        position = (
+            m.batch_points_n[ids] + _in_group_rank(group[by_group], appended)
+        ) % BATCH_POINTS
         m.batch_points[ids, position, 0] = size[by_group][appended]
         m.batch_points[ids, position, 1] = c.point_seconds[index][by_group][appended]
         np.add.at(m.batch_points_n, ids, 1)
@@ -657,7 +659,7 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     return index, np.column_stack([out[name] for name in COLUMNS])
 
 
-def in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
+def _in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
     """For picked positions of an array sorted by group: each one's rank among the picked of
     its group."""
     groups = sorted_groups[picked]
