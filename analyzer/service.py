@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from gpubalance.analyzer.features import FeatureStream, FeatureTable, concatenate
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import FrameSource, SourceError, open_source
@@ -289,8 +287,7 @@ class AnalyzerService:
         parts = [stream.add(frames)]
         if kept is not None:
             rows = [i for i, f in enumerate(kept.frames) if first <= f.t_start <= final]
-            index = np.asarray(rows, dtype=np.int64)
-            parts.insert(0, FeatureTable(tuple(kept.frames[i] for i in rows), kept.values[index]))
+            parts.insert(0, FeatureTable(tuple(kept.frames[i] for i in rows), kept.values[rows]))
         self._stream, self._table = stream, concatenate(parts)
         return self._table
 
