@@ -598,7 +598,7 @@ def report(
             + ": see where the time goes."
         ),
         "",
-        _where_the_time_goes(context, latest),
+        _where_the_time_goes(context, latest, long),
         "",
         "![fleet diagnosis stages and throughput](analyzer.png)",
     ]
@@ -608,10 +608,13 @@ def report(
     return met
 
 
-def _where_the_time_goes(context: Mapping[str, Any], latest: Sequence[Timed]) -> str:
+def _where_the_time_goes(
+    context: Mapping[str, Any], latest: Sequence[Timed], long: Sequence[Timed]
+) -> str:
     from gpubalance.analyzer.prometheus import SERVING_QUERIES
 
     cpu = {k: _median([t.cpu_seconds[k] for t in latest]) for k in latest[0].cpu_seconds}
+    long_cpu = {k: _median([t.cpu_seconds[k] for t in long]) for k in long[0].cpu_seconds}
     analyzer = cpu["source"] + cpu["features"] + cpu["verdicts"]
     costs = dict(context["queries"])
     merged = costs.pop("cpu modes merged")
@@ -623,6 +626,7 @@ def _where_the_time_goes(context: Mapping[str, Any], latest: Sequence[Timed]) ->
         "serving queues": sum(v for k, v in costs.items() if k in SERVING_QUERIES),
     }
     families["the GPUs' own and the rest"] = sum(costs.values()) - sum(families.values())
+    apart = families[next(iter(families))]
     cycle = context["cycle"]
     return (
         f"Where the time goes (latest window, CPU seconds): Prometheus {cpu['prometheus']:.2f} "
@@ -634,8 +638,23 @@ def _where_the_time_goes(context: Mapping[str, Any], latest: Sequence[Timed]) ->
         "the queries cost "
         + ", ".join(f"{name} {value:.2f}" for name, value in families.items())
         + f"; the 8 queries of the host CPU modes merged into one (`{MERGED_CPU_MODES}`) cost "
-        f"{merged:.2f} against their {families[next(iter(families))]:.2f} apart, so merging "
-        "queries saves Prometheus nothing and the source keeps one per figure. In the "
+        f"{merged:.2f} against their {apart:.2f} apart"
+        + (
+            ", so merging queries saves Prometheus next to nothing and the source keeps one per "
+            "figure"
+            if merged > 0.8 * apart
+            else ""
+        )
+        + f". Over the {context['args'].windows}-window range the analyzer's CPU seconds are "
+        f"source {long_cpu['source']:.2f}, features {long_cpu['features']:.2f} and verdicts "
+        f"{long_cpu['verdicts']:.2f}"
+        + (
+            " (the verdicts, per row in Python: rules, persistence, evidence sentences, are "
+            "the largest share)"
+            if long_cpu["verdicts"] > max(long_cpu["source"], long_cpu["features"])
+            else ""
+        )
+        + ". In the "
         f"service (`gpubalance analyzer`) a cycle's features over the {context['args'].windows}"
         f"-window lookback ({cycle['gpu_windows']} GPU-windows) cost {cycle['cycle']:.2f} CPU "
         f"seconds built as it builds them (the windows the last cycle had not made final, on the "
