@@ -586,16 +586,13 @@ def report(
         f"{GOAL_GPU_WINDOWS_PER_SECOND:,.0f} GPU-windows/s on one core (features + verdicts): "
         f"measured {classify:,.0f} per wall second, {classify_cpu:,.0f} per CPU second of the "
         "core. "
-        + (
-            "Both met."
-            if met
-            else "Not both met in wall time"
-            + (
-                " (the throughput is, per CPU second: the wall seconds are the core shared)"
-                if classify_cpu >= GOAL_GPU_WINDOWS_PER_SECOND
-                else ""
+        + " ".join(
+            f"{goal} {'met' if ok else 'not met'}."
+            for goal, ok in (
+                ("Latency:", total <= GOAL_SECONDS),
+                ("Throughput in wall time:", classify >= GOAL_GPU_WINDOWS_PER_SECOND),
+                ("Throughput per CPU second:", classify_cpu >= GOAL_GPU_WINDOWS_PER_SECOND),
             )
-            + ": see where the time goes."
         ),
         "",
         _where_the_time_goes(context, latest, long),
