@@ -12,10 +12,12 @@ diagnosers compare a machine with the machines that should look like it.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
+import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -107,437 +109,586 @@ class FeatureTable:
         return dict(zip(self.columns, self.values[index].tolist(), strict=True))
 
 
-# one frame's figures that its peers' rows use too: floats, and its card and pool names
-_Base = dict[str, Any]
+# the frame fields the features read, as float64 columns (None: NaN)
+_FIELDS: tuple[str, ...] = (
+    "t_start",
+    "t_end",
+    "sample_count",
+    "expected_sample_count",
+    "lost",
+    "utilization_mean_ratio",
+    "utilization_p95_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "sm_clock_ratio",
+    "throttled_ratio",
+    "serving_queues",
+    "queue_depth_mean",
+    "queue_depth_max",
+    "queue_depth_slope_per_second",
+    "batch_delay_seconds",
+    "request_duration_seconds",
+    "batch_size_mean",
+    "completions_per_second",
+    "allocation_failures",
+    "feeder_cpu_cores_max",
+    "host_cpu_pressure_ratio",
+    "host_io_pressure_ratio",
+    "host_iowait_ratio",
+    "class_duration_ratio",
+    "kv_cache_usage_ratio",
+)
+_NAN = math.nan
 
 
-@dataclass
-class _Past:
-    """What one GPU's earlier windows say."""
-
-    completions: list[float] = field(default_factory=list)  # windows with work waiting
-    batch_sizes: list[float] = field(default_factory=list)
-    memory: list[tuple[float, float]] = field(default_factory=list)  # (t_end, used ratio)
-    saturated: list[float] = field(default_factory=list)  # completions with a batch waiting
-    queues: list[float] = field(default_factory=list)  # queue in batches, per window
-    effective: list[float] = field(default_factory=list)  # utilization x batch fill
-    rho: list[float] = field(default_factory=list)  # rho estimate, per window
-    queue_names: tuple[str, ...] = ()  # the pool it last served
-    without_serving: int = 0  # windows in a row with the GPU read and no serving queue up
+def _ring_push(ring: np.ndarray, counts: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+    """Append one value to each of the rows ``ids`` of a ring of the last ``ring.shape[1]``."""
+    ring[ids, counts[ids] % ring.shape[1]] = values
+    counts[ids] += 1
 
 
-def _nan(value: float | None) -> float:
-    return math.nan if value is None else float(value)
+def _grown(array: np.ndarray, size: int, fill: float | int) -> np.ndarray:
+    if len(array) >= size:
+        return array
+    grown = np.full((max(size, 2 * len(array)), *array.shape[1:]), fill, dtype=array.dtype)
+    grown[: len(array)] = array
+    return grown
 
 
-def _median(values: Sequence[float]) -> float:
-    """The median of a short list (numpy's costs more than the sort for a pool's GPUs)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def _sorted_median(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's median over its known values, and how many it has (median NaN for none)."""
+    ordered = np.sort(matrix, axis=1)  # NaN last
+    count = np.count_nonzero(~np.isnan(matrix), axis=1)
+    rows = np.arange(len(matrix))
+    low = ordered[rows, np.maximum(count - 1, 0) // 2]
+    high = ordered[rows, np.minimum(count // 2, matrix.shape[1] - 1)]
+    median = np.where(count % 2 == 1, low, (low + high) / 2)
+    return np.where(count > 0, median, _NAN), count
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def _nanmean(values: Sequence[float]) -> float:
-    known = [v for v in values if not math.isnan(v)]
-    return sum(known) / len(known) if known else math.nan
-
-
-def _robust_z(value: float, others: Sequence[float]) -> float:
-    if math.isnan(value):
-        return math.nan
-    values = [v for v in others if not math.isnan(v)]
-    if len(values) < 2:
-        return 0.0
-    median = _median(values)
-    mad = _median([abs(v - median) for v in values])
+def _robust_z(pool_values: np.ndarray, own: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """Each row's robust z-score against its pool's known values (itself among them), from the
+    pool's median and MAD computed once per pool. ``pool_values``: (pools, GPUs), NaN-padded."""
+    median, count = _sorted_median(pool_values)
+    mad, _ = _sorted_median(np.abs(pool_values - median[:, None]))
     # a floor on the spread: identical peers must not turn a rounding error into a verdict
-    scale = max(1.4826 * mad, 0.05 * abs(median), 0.02)
-    return max(-10.0, min(10.0, (value - median) / scale))
+    scale = np.maximum(np.maximum(1.4826 * mad, 0.05 * np.abs(median)), 0.02)
+    z = np.clip((own - median[pool]) / scale[pool], -10.0, 10.0)
+    return np.where(np.isnan(own), _NAN, np.where(count[pool] < 2, 0.0, z))
 
 
-def _theil_sen(points: Sequence[tuple[float, float]]) -> float | None:
-    """Median of the pairwise slopes: one step (a model load) does not make a trend."""
-    if len(points) < 3:
-        return None
-    slopes = [
-        (y2 - y1) / (t2 - t1)
-        for i, (t1, y1) in enumerate(points)
-        for t2, y2 in points[i + 1 :]
-        if t2 > t1
-    ]
-    return _median(slopes) if slopes else None
+def _theil_sen(t: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per row, the median of the pairwise slopes of its points (NaN where a point is not
+    known): one step (a model load) does not make a trend. NaN under 3 points."""
+    first, second = np.triu_indices(t.shape[1], 1)
+    dt = np.take(t, second, axis=1) - np.take(t, first, axis=1)
+    # (y2 - y1) / (t2 - t1) is the same number whichever point comes first
+    slopes = (np.take(y, second, axis=1) - np.take(y, first, axis=1)) / dt
+    slopes[dt == 0] = _NAN
+    median, _ = _sorted_median(slopes)
+    return np.where(np.count_nonzero(~np.isnan(t), axis=1) >= 3, median, _NAN)
 
 
-def _batch_point(frame: GpuFrame) -> tuple[float, float] | None:
-    """(mean batch size, GPU seconds per batch) of a window: busy time over batches run."""
-    size, utilization = frame.batch_size_mean, frame.utilization_mean_ratio
-    completions = frame.completions_per_second
-    if size is None or utilization is None or not completions or frame.lost:
-        return None
-    if size < 1 or utilization <= 0:
-        return None
-    return size, utilization * size / completions
+class _Interner(dict[object, int]):
+    """Small ints for hosts, cards and pools' queue names, so that numpy can group by them."""
+
+    def code(self, value: object) -> int:
+        code = self.get(value)
+        if code is None:
+            code = self[value] = len(self)
+        return code
 
 
-def _full_batch_cost(points: Sequence[tuple[float, float]], largest: float) -> float:
-    """GPU seconds per request at full batches, from a line T = a*b + c through the batch
-    times T of batch sizes b: prefill grows with the batch, a decode step hardly does, so a
-    GPU running small batches back to back can still have room for more. NaN where the
-    batch sizes seen do not spread enough to tell a from c."""
-    if len(points) < 4:
-        return math.nan
-    n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    var_b = sum((b - mean_b) ** 2 for b, _ in points) / n
-    if var_b <= (0.15 * mean_b) ** 2:
-        return math.nan
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / n / var_b
-    intercept = mean_t - slope * mean_b
-    if slope < 0:
-        slope, intercept = 0.0, mean_t
-    elif intercept < 0:
-        slope, intercept = sum(b * t for b, t in points) / sum(b * b for b, _ in points), 0.0
-    return (slope * largest + intercept) / largest
+class _Memory:
+    """What the builder keeps of every GPU and card between windows: a GPU's last
+    ``history`` windows of each figure it looks back at (rings of arrays, a row per GPU),
+    the best each card served on one pool's queues, and the batch points of each card of a
+    host on one pool's queues."""
+
+    def __init__(self, history: int) -> None:
+        self.history = history
+        self.gpus: dict[tuple[str, str], int] = {}
+        self.hosts, self.cards, self.names = _Interner(), _Interner(), _Interner()
+        self.names.code(())  # code 0: no queues
+        self.batch_sizes = np.full((0, history), _NAN)
+        self.batch_sizes_n = np.zeros(0, dtype=np.int64)
+        self.completions = np.full((0, history), _NAN)  # windows with work waiting
+        self.completions_n = np.zeros(0, dtype=np.int64)
+        self.saturated = np.full((0, history), _NAN)  # completions with a batch waiting
+        self.saturated_n = np.zeros(0, dtype=np.int64)
+        self.memory_t = np.full((0, history), _NAN)  # (t_end, used ratio)
+        self.memory_y = np.full((0, history), _NAN)
+        self.memory_n = np.zeros(0, dtype=np.int64)
+        # queue, effective utilization and rho of the last two live windows: [-1], [-2]
+        self.recent = np.full((0, 3, 2), _NAN)
+        self.recent_n = np.zeros(0, dtype=np.int64)
+        self.queue_names = np.zeros(0, dtype=np.int64)  # the pool it last served
+        self.without_serving = np.zeros(0, dtype=np.int64)
+        self.card_best: dict[tuple[int, int], float] = {}
+        self.batch_keys: dict[tuple[int, int, int], int] = {}
+        self.batch_points = np.full((0, BATCH_POINTS, 2), _NAN)  # (size, seconds per batch)
+        self.batch_points_n = np.zeros(0, dtype=np.int64)
+
+    def gpu_ids(self, keys: Sequence[tuple[str, str]]) -> np.ndarray:
+        ids = np.fromiter(
+            (self.gpus.setdefault(key, len(self.gpus)) for key in keys), np.int64, len(keys)
+        )
+        size = len(self.gpus)
+        for name in ("batch_sizes", "completions", "saturated", "memory_t", "memory_y", "recent"):
+            setattr(self, name, _grown(getattr(self, name), size, _NAN))
+        for name in ("batch_sizes_n", "completions_n", "saturated_n", "memory_n", "recent_n"):
+            setattr(self, name, _grown(getattr(self, name), size, 0))
+        self.queue_names = _grown(self.queue_names, size, 0)
+        self.without_serving = _grown(self.without_serving, size, 0)
+        return ids
+
+    def batch_ids(self, keys: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        ids = np.fromiter(
+            (self.batch_keys.setdefault(key, len(self.batch_keys)) for key in keys),
+            np.int64,
+            len(keys),
+        )
+        self.batch_points = _grown(self.batch_points, len(self.batch_keys), _NAN)
+        self.batch_points_n = _grown(self.batch_points_n, len(self.batch_keys), 0)
+        return ids
 
 
-def _pools(
-    frames: Sequence[GpuFrame], pasts: dict[str, _Past]
-) -> dict[tuple[str, tuple[str, ...]], list[GpuFrame]]:
-    """GPUs of one host serving the same queues; a GPU whose queues vanished (a crashed
-    worker, a lost GPU) stays in the pool it last served."""
-    pools: dict[tuple[str, tuple[str, ...]], list[GpuFrame]] = {}
-    for frame in frames:
-        names = frame.queue_names or pasts[frame.uuid].queue_names
-        pools.setdefault((frame.host, names), []).append(frame)
-    return pools
+class _Frames:
+    """The frames of one call as columns, in the order the features run them."""
+
+    def __init__(self, ordered: Sequence[GpuFrame], memory: _Memory) -> None:
+        read = operator.attrgetter(*_FIELDS)
+        columns = list(zip(*(read(f) for f in ordered), strict=True))
+        self.values = {
+            name: np.array(column, dtype=np.float64)
+            for name, column in zip(_FIELDS, columns, strict=True)
+        }
+        self.gpu = memory.gpu_ids([(f.host, f.uuid) for f in ordered])
+        self.host = np.array([memory.hosts.code(f.host) for f in ordered], dtype=np.int64)
+        self.card = np.array([memory.cards.code(f.card) for f in ordered], dtype=np.int64)
+        self.names = np.array([memory.names.code(f.queue_names) for f in ordered], dtype=np.int64)
+        self.classes = np.array([len(f.service_classes) for f in ordered], dtype=np.float64)
+        v = self.values
+        self.seconds = v["t_end"] - v["t_start"]
+        self.coverage = np.array([f.coverage_ratio for f in ordered], dtype=np.float64)
+        self.live = (v["sample_count"] > 0) & (v["lost"] == 0)
+        # (mean batch size, GPU seconds per batch) of a window: busy time over batches run
+        size, utilization = v["batch_size_mean"], v["utilization_mean_ratio"]
+        completions = v["completions_per_second"]
+        completions = np.where(np.isnan(completions), 0.0, completions)  # None: no batches run
+        self.point = (completions != 0) & (v["lost"] == 0) & (size >= 1) & (utilization > 0)
+        self.point_seconds = np.where(self.point, utilization * size / completions, _NAN)
 
 
 class FeatureBuilder:
     """Frames (in time order, any hosts) to a :class:`FeatureTable`.
 
     A transformer in scikit-learn's sense, with nothing to fit: a GPU's own history is the
-    frames before it in the same call.
+    frames before it in the same call. :class:`FeatureStream` keeps that history between calls.
     """
 
     def __init__(self, history_windows: int = HISTORY_WINDOWS) -> None:
         self.history_windows = history_windows
 
     def transform(self, frames: Iterable[GpuFrame]) -> FeatureTable:
-        ordered = sorted(frames, key=lambda f: (f.t_start, f.host, f.gpu))
-        past: dict[tuple[str, str], _Past] = {}
-        # the most a card of one kind served on one pool's queues with work waiting: the
-        # capacity of a GPU that has not been saturated itself
-        card_best: dict[tuple[str | None, tuple[str, ...]], float] = {}
-        # (batch size, GPU seconds per batch) of each card of a host on one pool's queues
-        batches: dict[tuple[str, str | None, tuple[str, ...]], list[tuple[float, float]]] = {}
-        rows: list[list[float]] = []
-        kept: list[GpuFrame] = []
-        start = 0
-        while start < len(ordered):
-            end = start
-            while end < len(ordered) and ordered[end].t_start == ordered[start].t_start:
-                end += 1
-            window = ordered[start:end]
-            pasts = {f.uuid: past.setdefault((f.host, f.uuid), _Past()) for f in window}
-            bases: dict[str, _Base] = {}
-            for pool in _pools(window, pasts).values():
-                mine = [pasts[f.uuid] for f in pool]
-                # peers run the same queues, so the same largest batch: a starved GPU that never
-                # filled one is measured against what its busiest peer reached
-                largest = max(
-                    [1.0]
-                    + [b for p in mine for b in p.batch_sizes]
-                    + [f.batch_size_mean for f in pool if f.batch_size_mean is not None]
-                )
-                seen = {f.uuid: _batch_point(f) for f in pool}
-                costs: dict[str | None, float] = {}
-                for frame, history in zip(pool, mine, strict=True):
-                    if frame.card not in costs:
-                        key = (frame.host, frame.card, frame.queue_names or history.queue_names)
-                        points = batches.get(key, []) + [
-                            point
-                            for f in pool
-                            if f.card == frame.card and (point := seen[f.uuid]) is not None
-                        ]
-                        costs[frame.card] = _full_batch_cost(points, largest)
-                base = [
-                    self._base(f, p, largest, card_best, costs[f.card])
-                    for f, p in zip(pool, mine, strict=True)
-                ]
-                for frame, own, history in zip(pool, base, mine, strict=True):
-                    rows.append(self._row(frame, own, base, history))
-                    kept.append(frame)
-                for frame, own in zip(pool, base, strict=True):
-                    bases[frame.uuid] = own
-                    if (point := seen[frame.uuid]) is not None:
-                        series = batches.setdefault(
-                            (frame.host, frame.card, own["queue_names"]), []
-                        )
-                        series.append(point)
-                        del series[:-BATCH_POINTS]
-                    if own["saturated"]:
-                        key = (frame.card, own["queue_names"])
-                        card_best[key] = max(card_best.get(key, 0.0), own["completions"])
-            for frame in window:
-                self._remember(frame, past[(frame.host, frame.uuid)], bases[frame.uuid])
-            start = end
-        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(COLUMNS))
-        return FeatureTable(tuple(kept), values)
+        return _build(frames, _Memory(self.history_windows))
 
-    def _base(
-        self,
-        frame: GpuFrame,
-        past: _Past,
-        largest: float,
-        card_best: dict[tuple[str | None, tuple[str, ...]], float],
-        cost: float,
-    ) -> _Base:
-        """Figures of one frame that its peers' rows use too."""
-        fill = _nan(frame.batch_size_mean) / largest
-        utilization = _nan(frame.utilization_mean_ratio)
-        queue = _nan(frame.queue_depth_mean) / largest
-        completions = _nan(frame.completions_per_second)
-        live = frame.sample_count > 0 and not frame.lost
-        if not live:
-            utilization = fill = queue = completions = math.nan
-        effective = utilization * fill
-        names = frame.queue_names or past.queue_names
-        # a queue of half a batch or more all window: the GPU serves as fast as it can
-        saturated = queue >= QUEUED_BATCHES and completions > 0
-        best = max(
-            [*past.saturated, card_best.get((frame.card, names), 0.0)]
-            + ([completions] if saturated else [])
-        )
-        if best > 0:
-            capacity = best
-        elif effective > 0.05 and completions > 0:
-            # batches take about as long whatever their size (decode is bound by memory), so a
-            # GPU busy u of the time with batches f full would serve 1/(u*f) times as much
-            capacity = completions / effective
-        else:
-            capacity = math.nan
-        rho = completions / capacity if capacity > 0 else math.nan
-        growth = max(0.0, _nan(frame.queue_depth_slope_per_second))
-        fitted = completions * cost
-        return {
-            "largest": largest,
-            "fill": fill,
-            "utilization": utilization,
-            "effective": effective,
-            "queue": queue,
-            "completions": completions,
-            "saturated": float(saturated),
-            "queue_names": names,
-            "card": frame.card,
-            "capacity": capacity,
-            "rho": min(rho, 5.0),
-            "rho_fitted": min(fitted, 5.0),
-            "kv": _nan(frame.kv_cache_usage_ratio) if live else math.nan,
-            "offered": min((completions + growth) / capacity, 5.0) if capacity > 0 else math.nan,
-        }
 
-    def _row(
-        self,
-        frame: GpuFrame,
-        own: _Base,
-        pool: list[_Base],
-        past: _Past,
-    ) -> list[float]:
-        peers = [p for p in pool if p is not own]
-        largest = own["largest"]
-        current = own["completions"] if not math.isnan(own["completions"]) else 0.0
-        best = max([*past.completions, current])
-        peer_completions = [p["completions"] for p in peers if not math.isnan(p["completions"])]
-        all_completions = [p["completions"] for p in pool if not math.isnan(p["completions"])]
-        peer_queue = [p["queue"] for p in peers if not math.isnan(p["queue"])]
-        peer_effective = [p["effective"] for p in peers if not math.isnan(p["effective"])]
-        pool_effective = [p["effective"] for p in pool if not math.isnan(p["effective"])]
-        pool_queue = [p["queue"] for p in pool if not math.isnan(p["queue"])]
-        total = sum(all_completions)
-        mean_peer = _mean(peer_completions)
-        memory_ratio = (
-            frame.memory_used_bytes / frame.memory_total_bytes
-            if frame.memory_used_bytes is not None and frame.memory_total_bytes
-            else math.nan
-        )
-        growth = math.nan
-        if not math.isnan(memory_ratio):
-            slope = _theil_sen([*past.memory, (frame.t_end, memory_ratio)])
-            growth = math.nan if slope is None else slope * frame.seconds
-        clock = frame.sm_clock_ratio
-        if clock is None and frame.throttled_ratio is not None:
-            clock = 1.0 - 0.5 * frame.throttled_ratio  # no clocks: throttled time as a proxy
-        cores = _nan(frame.feeder_cpu_cores_max)
-        completions = own["completions"]
-        failures = _nan(frame.allocation_failures)
-        peer_queued = bool(peer_queue) and max(peer_queue) >= QUEUED_BATCHES
-        values = {
-            "coverage_ratio": frame.coverage_ratio,
-            "utilization_ratio": own["utilization"],
-            "utilization_p95_ratio": _nan(frame.utilization_p95_ratio),
-            "batch_fill_ratio": own["fill"],
-            "effective_utilization_ratio": own["effective"],
-            "queue_batches": own["queue"],
-            "queue_max_batches": _nan(frame.queue_depth_max) / largest,
-            "queue_slope_batches_per_window": _nan(frame.queue_depth_slope_per_second)
-            * frame.seconds
-            / largest,
-            "batch_delay_share": (
-                frame.batch_delay_seconds / frame.request_duration_seconds
-                if frame.batch_delay_seconds is not None and frame.request_duration_seconds
-                else math.nan
-            ),
-            "throughput_vs_own_best_ratio": completions / best if best > 0 else math.nan,
-            "throughput_vs_peers_ratio": completions / mean_peer if mean_peer > 0 else math.nan,
-            "throughput_share_vs_equal_ratio": (
-                completions * len(all_completions) / total if total > 0 else math.nan
-            ),
-            "utilization_peer_z": _robust_z(own["utilization"], [p["utilization"] for p in pool]),
-            "effective_utilization_peer_z": _robust_z(
-                own["effective"], [p["effective"] for p in pool]
-            ),
-            "queue_peer_z": _robust_z(own["queue"], [p["queue"] for p in pool]),
-            "throughput_peer_z": _robust_z(completions, [p["completions"] for p in pool]),
-            "peer_count": float(len(peers)),
-            "peer_queue_max_batches": max(peer_queue) if peer_queue else math.nan,
-            "peer_effective_utilization_max": max(peer_effective) if peer_effective else math.nan,
-            "peer_effective_utilization_min": min(peer_effective) if peer_effective else math.nan,
-            "pool_effective_utilization_mean": _mean(pool_effective),
-            "pool_queue_batches_mean": _mean(pool_queue),
-            "pool_busy_share": (
-                sum(1 for q in pool_queue if q >= QUEUED_BATCHES) / len(pool_queue)
-                if pool_queue
-                else math.nan
-            ),
-            "idle_while_peer_queued": (
-                (1.0 - min(1.0, own["effective"])) * float(peer_queued)
-                if not math.isnan(own["effective"])
-                else math.nan
-            ),
-            "clock_ratio": _nan(clock),
-            "throttled_ratio": _nan(frame.throttled_ratio),
-            "feeder_cpu_cores": cores,
-            # a feeding process near a whole number of busy cores is pinned at its threads
-            "feeder_cpu_pinned": (
-                max(0.0, 1.0 - abs(cores - round(cores)) * 5) if cores >= 0.9 else 0.0
+class FeatureStream:
+    """A :class:`FeatureBuilder` that remembers, for a service that reads a lookback every
+    cycle: each :meth:`add` builds only the windows after those it already made final, on
+    the history the earlier calls left.
+
+    The newest window of each call is provisional: the source may not hold all of its samples
+    yet (a scrape still on its way), so its rows are built on a copy of the history and built
+    again, from what the next call gives, until a later window comes. Rows of the windows
+    before are final: the same numbers :meth:`FeatureBuilder.transform` gives for all the
+    frames the calls were given.
+    """
+
+    def __init__(self, history_windows: int = HISTORY_WINDOWS) -> None:
+        self.history_windows = history_windows
+        self._memory = _Memory(history_windows)
+        self.final_t_start = -math.inf  # the latest window whose rows are final
+
+    def add(self, frames: Iterable[GpuFrame]) -> FeatureTable:
+        """The rows of the frames of windows after :attr:`final_t_start` (those before it
+        were built once, final, and are skipped)."""
+        new = sorted((f for f in frames if f.t_start > self.final_t_start), key=_order)
+        if not new:
+            return _build([], self._memory)
+        newest = new[-1].t_start
+        final = [f for f in new if f.t_start < newest]
+        settled = _build(final, self._memory)
+        if final:
+            self.final_t_start = final[-1].t_start
+        latest = _build(new[len(final) :], copy.deepcopy(self._memory))
+        return concatenate([settled, latest])
+
+
+def concatenate(tables: Sequence[FeatureTable]) -> FeatureTable:
+    """The rows of ``tables``, one after another."""
+    frames = tuple(f for table in tables for f in table.frames)
+    values = np.concatenate([table.values for table in tables]) if tables else None
+    return FeatureTable(frames, np.empty((0, len(COLUMNS))) if values is None else values)
+
+
+def _order(frame: GpuFrame) -> tuple[float, str, int]:
+    return frame.t_start, frame.host, frame.gpu
+
+
+def _build(frames: Iterable[GpuFrame], memory: _Memory) -> FeatureTable:
+    ordered = sorted(frames, key=_order)
+    values = np.empty((len(ordered), len(COLUMNS)), dtype=np.float64)
+    if not ordered:
+        return FeatureTable((), values)
+    order = np.empty(len(ordered), dtype=np.int64)
+    # NaN is "the telemetry does not say": arithmetic on it, and on a damaged recording's
+    # infinities, gives NaN features, not warnings
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        columns = _Frames(ordered, memory)
+        t_start = columns.values["t_start"]
+        bounds = [0, *(np.flatnonzero(t_start[1:] != t_start[:-1]) + 1).tolist(), len(ordered)]
+        for start, end in itertools.pairwise(bounds):
+            rows, values[start:end] = _window(columns, np.arange(start, end), memory)
+            order[start:end] = rows
+    return FeatureTable(tuple(ordered[i] for i in order.tolist()), values)
+
+
+def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray, np.ndarray]:
+    """One window's rows: which frames, in the order they come out, and their features.
+
+    Rows come pool by pool, pools in the order their first GPU comes in the window."""
+    m = memory
+    v = c.values
+    # pools: GPUs of one host serving the same queues; a GPU whose queues vanished (a crashed
+    # worker, a lost GPU) stays in the pool it last served
+    names = np.where(c.names[index] != 0, c.names[index], m.queue_names[c.gpu[index]])
+    keys = c.host[index] * (len(m.names) + 1) + names
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    local = np.argsort(rank[inverse], kind="stable")
+    index, names = index[local], names[local]
+    pool = rank[inverse][local]
+    n, pools = len(index), len(first)
+    pool_start = np.searchsorted(pool, np.arange(pools))
+    pool_size = np.bincount(pool, minlength=pools)
+    slot = np.arange(n) - pool_start[pool]
+    width = int(pool_size.max())
+    gpu = c.gpu[index]
+
+    def col(name: str) -> np.ndarray:
+        return v[name][index]
+
+    def by_pool(values: np.ndarray, fill: float = _NAN) -> np.ndarray:
+        matrix = np.full((pools, width), fill, dtype=values.dtype)
+        matrix[pool, slot] = values
+        return matrix
+
+    rows = np.arange(n)
+
+    def peers_of(values: np.ndarray) -> np.ndarray:
+        """(rows, GPUs): each row's pool, itself left out (NaN)."""
+        matrix = by_pool(values)[pool]
+        matrix[rows, slot] = _NAN
+        return matrix
+
+    def pool_sum(values: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(np.where(np.isnan(values), 0.0, values), pool_start)[pool]
+
+    def pool_count(mask: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(mask.astype(np.int64), pool_start)[pool]
+
+    def pool_mean(values: np.ndarray) -> np.ndarray:
+        count = pool_count(~np.isnan(values))
+        return np.where(count > 0, pool_sum(values) / count, _NAN)
+
+    def known_peers(values: np.ndarray) -> np.ndarray:
+        return np.count_nonzero(~np.isnan(values), axis=1)
+
+    # peers run the same queues, so the same largest batch: a starved GPU that never filled
+    # one is measured against what its busiest peer reached
+    size = col("batch_size_mean")
+    seen = np.fmax(np.fmax.reduce(m.batch_sizes[gpu], axis=1), size)
+    largest = np.fmax(np.fmax.reduceat(seen, pool_start), 1.0)[pool]
+
+    # each card of a pool: GPU seconds per request at full batches, from its batch points
+    card = c.card[index]
+    group_keys = pool * (len(m.cards) + 1) + card
+    _, group_first, group_inverse = np.unique(group_keys, return_index=True, return_inverse=True)
+    group_rank = np.empty(len(group_first), dtype=np.int64)
+    group_rank[np.argsort(group_first, kind="stable")] = np.arange(len(group_first))
+    group = group_rank[group_inverse]
+    group_local = np.sort(group_first)  # the first row of each group, groups in order
+    batch = m.batch_ids(
+        list(
+            zip(
+                c.host[index[group_local]].tolist(),
+                card[group_local].tolist(),
+                names[group_local].tolist(),
+                strict=True,
             )
-            if not math.isnan(cores)
-            else math.nan,
-            "host_cpu_pressure_ratio": _nan(frame.host_cpu_pressure_ratio),
-            "host_io_pressure_ratio": _nan(frame.host_io_pressure_ratio),
-            "host_iowait_ratio": _nan(frame.host_iowait_ratio),
-            "memory_used_ratio": memory_ratio,
-            "memory_growth_ratio_per_window": growth,
-            "allocation_failures_per_completion": (
-                failures / max(1.0, completions * frame.seconds)
-                if not math.isnan(failures) and not math.isnan(completions)
-                else failures
-            ),
-            "serving_present": float(frame.serving_queues > 0),
-            **self._physics(frame, own, pool, peers, past),
-        }
-        return [values[name] for name in COLUMNS]
+        )
+    )
+    point = c.point[index]
+    groups = len(group_first)
+    by_group = np.argsort(group, kind="stable")
+    group_start = np.searchsorted(group[by_group], np.arange(groups))
+    in_group = np.arange(n) - group_start[group[by_group]]
+    current = np.full((groups, int(np.bincount(group).max()), 2), _NAN)
+    current[group[by_group], in_group, 0] = np.where(point, size, _NAN)[by_group]
+    current[group[by_group], in_group, 1] = c.point_seconds[index][by_group]
+    points = np.concatenate([m.batch_points[batch], current], axis=1)
+    cost = _full_batch_cost(points, largest[by_group][group_start])[group]
 
-    @staticmethod
-    def _physics(
-        frame: GpuFrame,
-        own: _Base,
-        pool: list[_Base],
-        peers: list[_Base],
-        past: _Past,
-    ) -> dict[str, float]:
-        """The ground truth's quantities as telemetry estimates them: rho (the share of the
-        window the GPU needs for its work at full batches), its capacity against its peers',
-        and how the router splits work against capacity."""
-        capacity, rho = own["capacity"], own["rho"]
-        peer_capacity = [p["capacity"] for p in peers if p["capacity"] > 0]
-        peer_rho = [p["rho"] for p in peers if not math.isnan(p["rho"])]
-        pool_rho = [p["rho"] for p in pool if not math.isnan(p["rho"])]
-        peer_fitted = [p["rho_fitted"] for p in peers if not math.isnan(p["rho_fitted"])]
-        pool_fitted = [p["rho_fitted"] for p in pool if not math.isnan(p["rho_fitted"])]
-        point = _batch_point(frame)
-        busy = point[1] if point is not None else math.nan
-        delay = _nan(frame.batch_delay_seconds)
-        both = [p for p in pool if p["capacity"] > 0 and not math.isnan(p["completions"])]
-        served = sum(p["completions"] for p in both)
-        able = sum(p["capacity"] for p in both)
-        work_share = math.nan
-        if served > 0 and able > 0 and capacity > 0 and not math.isnan(own["completions"]):
-            work_share = (own["completions"] / served) / (capacity / able)
-        queues = [*past.queues[-2:], own["queue"]]
-        effective = [*past.effective[-2:], own["effective"]]
-        rhos = [*past.rho[-2:], rho]
-        fill = own["fill"]
-        return {
-            "rho_fitted_ratio": own["rho_fitted"],
-            # interactive requests that wait behind long batch-class ones in one queue
-            "service_class_count": float(len(frame.service_classes)),
-            "class_duration_ratio": _nan(frame.class_duration_ratio),
-            "kv_cache_usage_ratio": own["kv"],
-            "kv_cache_usage_peer_z": _robust_z(own["kv"], [p["kv"] for p in pool]),
-            "peer_rho_fitted_max": max(peer_fitted) if peer_fitted else math.nan,
-            "pool_rho_fitted_mean": _mean(pool_fitted),
-            # the share of a batch cycle spent waiting for the batch to fill
-            "batch_wait_share_estimate": delay / (delay + busy) if delay + busy > 0 else math.nan,
-            "rho_estimate_ratio": rho,
-            "offered_rho_estimate_ratio": own["offered"],
-            "capacity_vs_peers_ratio": capacity / _median(peer_capacity)
-            if peer_capacity and capacity > 0
-            else math.nan,
-            "capacity_vs_peers_best_ratio": capacity / max(peer_capacity)
-            if peer_capacity and capacity > 0
-            else math.nan,
-            "work_share_vs_capacity_share_ratio": work_share,
-            "peer_rho_estimate_max": max(peer_rho) if peer_rho else math.nan,
-            "peer_rho_estimate_min": min(peer_rho) if peer_rho else math.nan,
-            "pool_rho_estimate_mean": _mean(pool_rho),
-            "peer_card_differs_share": (
-                sum(1 for p in peers if p["card"] != own["card"]) / len(peers)
-                if peers
-                else math.nan
-            ),
-            # work waits yet batches run part full: something other than work limits them
-            "queued_unfilled_batches": min(own["queue"], 4.0) * max(0.0, 1.0 - fill)
-            if not math.isnan(fill) and not math.isnan(own["queue"])
-            else math.nan,
-            "queue_batches_previous": past.queues[-1] if past.queues else math.nan,
-            "effective_utilization_previous": past.effective[-1] if past.effective else math.nan,
-            "queue_batches_recent_mean": _nanmean(queues),
-            "effective_utilization_recent_mean": _nanmean(effective),
-            "rho_estimate_recent_mean": _nanmean(rhos),
-            "windows_without_serving": float(past.without_serving)
-            + float(frame.sample_count > 0 and frame.serving_queues == 0),
-        }
+    live = c.live[index]
+    utilization = np.where(live, col("utilization_mean_ratio"), _NAN)
+    fill = np.where(live, size / largest, _NAN)
+    queue = np.where(live, col("queue_depth_mean") / largest, _NAN)
+    completions = np.where(live, col("completions_per_second"), _NAN)
+    effective = utilization * fill
+    # a queue of half a batch or more all window: the GPU serves as fast as it can
+    saturated = (queue >= QUEUED_BATCHES) & (completions > 0)
+    # the most a card of one kind served on one pool's queues with work waiting, over the
+    # fleet: the capacity of a GPU that has not been saturated itself; pools earlier in the
+    # window count, as they do in a window read pool by pool
+    served_saturated = np.where(saturated, completions, _NAN)[by_group]
+    group_saturated = np.fmax.reduceat(served_saturated, group_start)
+    card_best = np.empty(groups)
+    best_keys = zip(card[group_local].tolist(), names[group_local].tolist(), strict=True)
+    for i, (key, served) in enumerate(zip(best_keys, group_saturated.tolist(), strict=True)):
+        card_best[i] = best = m.card_best.get(key, 0.0)
+        if not math.isnan(served):
+            m.card_best[key] = max(best, served)
+    best = np.fmax(np.fmax.reduce(m.saturated[gpu], axis=1), card_best[group])
+    best = np.where(saturated, np.fmax(best, completions), best)
+    # batches take about as long whatever their size (decode is bound by memory), so a
+    # GPU busy u of the time with batches f full would serve 1/(u*f) times as much
+    capacity = np.where(
+        best > 0,
+        best,
+        np.where((effective > 0.05) & (completions > 0), completions / effective, _NAN),
+    )
+    able = capacity > 0
+    rho = np.minimum(np.where(able, completions / capacity, _NAN), 5.0)
+    slope = col("queue_depth_slope_per_second")
+    growth = np.where(slope > 0, slope, 0.0)
+    offered = np.where(able, np.minimum((completions + growth) / capacity, 5.0), _NAN)
+    fitted = np.minimum(completions * cost, 5.0)
+    kv = np.where(live, col("kv_cache_usage_ratio"), _NAN)
 
-    def _remember(self, frame: GpuFrame, past: _Past, own: _Base) -> None:
-        if frame.queue_names:
-            past.queue_names = frame.queue_names
-        if frame.sample_count == 0 or frame.lost:
-            return
-        past.without_serving = 0 if frame.serving_queues else min(past.without_serving + 1, 10)
-        past.queues.append(own["queue"])
-        past.effective.append(own["effective"])
-        past.rho.append(own["rho"])
-        if own["saturated"]:
-            past.saturated.append(own["completions"])
-        if frame.batch_size_mean is not None:
-            past.batch_sizes.append(frame.batch_size_mean)
-        if frame.completions_per_second is not None and (frame.queue_depth_mean or 0.0) > 0:
-            past.completions.append(frame.completions_per_second)
-        if frame.memory_used_bytes is not None and frame.memory_total_bytes:
-            past.memory.append((frame.t_end, frame.memory_used_bytes / frame.memory_total_bytes))
-        for series in (
-            past.batch_sizes,
-            past.completions,
-            past.memory,
-            past.queues,
-            past.effective,
-            past.rho,
-            past.saturated,
-        ):
-            del series[: -self.history_windows]
+    out: dict[str, np.ndarray] = {}
+    seconds = c.seconds[index]
+    out["coverage_ratio"] = c.coverage[index]
+    out["utilization_ratio"] = utilization
+    out["utilization_p95_ratio"] = col("utilization_p95_ratio")
+    out["batch_fill_ratio"] = fill
+    out["effective_utilization_ratio"] = effective
+    out["queue_batches"] = queue
+    out["queue_max_batches"] = col("queue_depth_max") / largest
+    out["queue_slope_batches_per_window"] = slope * seconds / largest
+    delay, duration = col("batch_delay_seconds"), col("request_duration_seconds")
+    out["batch_delay_share"] = np.where(
+        ~np.isnan(delay) & ~np.isnan(duration) & (duration != 0), delay / duration, _NAN
+    )
+    current_completions = np.where(np.isnan(completions), 0.0, completions)
+    own_best = np.fmax(np.fmax.reduce(m.completions[gpu], axis=1), current_completions)
+    out["throughput_vs_own_best_ratio"] = np.where(own_best > 0, completions / own_best, _NAN)
+    peer_completions = peers_of(completions)
+    known = known_peers(peer_completions)
+    mean_peer = np.where(
+        known > 0, np.nansum(peer_completions, axis=1) / np.maximum(known, 1), _NAN
+    )
+    out["throughput_vs_peers_ratio"] = np.where(mean_peer > 0, completions / mean_peer, _NAN)
+    total = pool_sum(completions)
+    out["throughput_share_vs_equal_ratio"] = np.where(
+        total > 0, completions * pool_count(~np.isnan(completions)) / total, _NAN
+    )
+    out["utilization_peer_z"] = _robust_z(by_pool(utilization), utilization, pool)
+    out["effective_utilization_peer_z"] = _robust_z(by_pool(effective), effective, pool)
+    out["queue_peer_z"] = _robust_z(by_pool(queue), queue, pool)
+    out["throughput_peer_z"] = _robust_z(by_pool(completions), completions, pool)
+    out["peer_count"] = (pool_size[pool] - 1).astype(np.float64)
+    peer_queue = peers_of(queue)
+    peer_queue_max = np.fmax.reduce(peer_queue, axis=1)
+    out["peer_queue_max_batches"] = peer_queue_max
+    peer_effective = peers_of(effective)
+    out["peer_effective_utilization_max"] = np.fmax.reduce(peer_effective, axis=1)
+    out["peer_effective_utilization_min"] = np.fmin.reduce(peer_effective, axis=1)
+    out["pool_effective_utilization_mean"] = pool_mean(effective)
+    out["pool_queue_batches_mean"] = pool_mean(queue)
+    queued = pool_count(queue >= QUEUED_BATCHES)
+    out["pool_busy_share"] = np.where(
+        pool_count(~np.isnan(queue)) > 0, queued / pool_count(~np.isnan(queue)), _NAN
+    )
+    peer_queued = peer_queue_max >= QUEUED_BATCHES
+    out["idle_while_peer_queued"] = (1.0 - np.minimum(1.0, effective)) * peer_queued
+    clock, throttled = col("sm_clock_ratio"), col("throttled_ratio")
+    # no clocks: throttled time as a proxy
+    out["clock_ratio"] = np.where(np.isnan(clock), 1.0 - 0.5 * throttled, clock)
+    out["throttled_ratio"] = throttled
+    cores = col("feeder_cpu_cores_max")
+    out["feeder_cpu_cores"] = cores
+    # a feeding process near a whole number of busy cores is pinned at its threads
+    out["feeder_cpu_pinned"] = np.where(
+        cores >= 0.9, np.maximum(0.0, 1.0 - np.abs(cores - np.round(cores)) * 5), 0.0
+    )
+    out["feeder_cpu_pinned"][np.isnan(cores)] = _NAN
+    out["host_cpu_pressure_ratio"] = col("host_cpu_pressure_ratio")
+    out["host_io_pressure_ratio"] = col("host_io_pressure_ratio")
+    out["host_iowait_ratio"] = col("host_iowait_ratio")
+    used, total_bytes = col("memory_used_bytes"), col("memory_total_bytes")
+    memory_ratio = np.where(
+        ~np.isnan(used) & ~np.isnan(total_bytes) & (total_bytes != 0),
+        used / total_bytes,
+        _NAN,
+    )
+    out["memory_used_ratio"] = memory_ratio
+    growth_memory = np.full(n, _NAN)
+    known_memory = np.flatnonzero(~np.isnan(memory_ratio))
+    if len(known_memory):
+        ids = gpu[known_memory]
+        t = np.concatenate([m.memory_t[ids], col("t_end")[known_memory, None]], axis=1)
+        y = np.concatenate([m.memory_y[ids], memory_ratio[known_memory, None]], axis=1)
+        growth_memory[known_memory] = _theil_sen(t, y) * seconds[known_memory]
+    out["memory_growth_ratio_per_window"] = growth_memory
+    failures = col("allocation_failures")
+    out["allocation_failures_per_completion"] = np.where(
+        np.isnan(completions), failures, failures / np.maximum(1.0, completions * seconds)
+    )
+    serving = col("serving_queues")
+    out["serving_present"] = (serving > 0).astype(np.float64)
+
+    # the ground truth's quantities as telemetry estimates them: rho (the share of the
+    # window the GPU needs for its work at full batches), its capacity against its peers',
+    # and how the router splits work against capacity
+    peer_capacity = peers_of(np.where(able, capacity, _NAN))
+    median_capacity, known_capacity = _sorted_median(peer_capacity)
+    has_peer_capacity = (known_capacity > 0) & able
+    out["capacity_vs_peers_ratio"] = np.where(has_peer_capacity, capacity / median_capacity, _NAN)
+    out["capacity_vs_peers_best_ratio"] = np.where(
+        has_peer_capacity, capacity / np.fmax.reduce(peer_capacity, axis=1), _NAN
+    )
+    both = able & ~np.isnan(completions)
+    served = pool_sum(np.where(both, completions, _NAN))
+    able_sum = pool_sum(np.where(both, capacity, _NAN))
+    out["work_share_vs_capacity_share_ratio"] = np.where(
+        (served > 0) & (able_sum > 0) & both,
+        (completions / served) / (capacity / able_sum),
+        _NAN,
+    )
+    peer_rho = peers_of(rho)
+    out["peer_rho_estimate_max"] = np.fmax.reduce(peer_rho, axis=1)
+    out["peer_rho_estimate_min"] = np.fmin.reduce(peer_rho, axis=1)
+    out["pool_rho_estimate_mean"] = pool_mean(rho)
+    peer_card = by_pool(card.astype(np.float64), -1.0)[pool]
+    peer_card[rows, slot] = -1.0
+    differs = np.count_nonzero((peer_card != card[:, None]) & (peer_card >= 0), axis=1)
+    peers = pool_size[pool] - 1
+    out["peer_card_differs_share"] = np.where(peers > 0, differs / np.maximum(peers, 1), _NAN)
+    # work waits yet batches run part full: something other than work limits them
+    out["queued_unfilled_batches"] = np.minimum(queue, 4.0) * np.maximum(0.0, 1.0 - fill)
+    out["rho_fitted_ratio"] = fitted
+    peer_fitted = peers_of(fitted)
+    out["peer_rho_fitted_max"] = np.fmax.reduce(peer_fitted, axis=1)
+    out["pool_rho_fitted_mean"] = pool_mean(fitted)
+    # the share of a batch cycle spent waiting for the batch to fill
+    cycle = delay + c.point_seconds[index]
+    out["batch_wait_share_estimate"] = np.where(cycle > 0, delay / cycle, _NAN)
+    out["rho_estimate_ratio"] = rho
+    out["offered_rho_estimate_ratio"] = offered
+    # interactive requests that wait behind long batch-class ones in one queue
+    out["service_class_count"] = c.classes[index]
+    out["class_duration_ratio"] = col("class_duration_ratio")
+    out["kv_cache_usage_ratio"] = kv
+    out["kv_cache_usage_peer_z"] = _robust_z(by_pool(kv), kv, pool)
+    recent, recent_n = m.recent[gpu], m.recent_n[gpu]
+    out["queue_batches_previous"] = np.where(recent_n >= 1, recent[:, 0, 0], _NAN)
+    out["effective_utilization_previous"] = np.where(recent_n >= 1, recent[:, 1, 0], _NAN)
+    for name, figure, now in (
+        ("queue_batches_recent_mean", 0, queue),
+        ("effective_utilization_recent_mean", 1, effective),
+        ("rho_estimate_recent_mean", 2, rho),
+    ):
+        values = np.stack(
+            [
+                np.where(recent_n >= 2, recent[:, figure, 1], _NAN),
+                np.where(recent_n >= 1, recent[:, figure, 0], _NAN),
+                now,
+            ],
+            axis=1,
+        )
+        count = np.count_nonzero(~np.isnan(values), axis=1)
+        out[name] = np.where(count > 0, np.nansum(values, axis=1) / count, _NAN)
+    out["windows_without_serving"] = m.without_serving[gpu] + (
+        (col("sample_count") > 0) & (serving == 0)
+    )
+
+    # remember the window
+    has_point = point & ~np.isnan(c.point_seconds[index])
+    appended = np.flatnonzero(has_point[by_group])
+    if len(appended):
+        ids = batch[group[by_group][appended]]
+        position = (
+            m.batch_points_n[ids] + _in_group_rank(group[by_group], appended)
+        ) % BATCH_POINTS
+        m.batch_points[ids, position, 0] = size[by_group][appended]
+        m.batch_points[ids, position, 1] = c.point_seconds[index][by_group][appended]
+        np.add.at(m.batch_points_n, ids, 1)
+    frame_names = c.names[index]
+    m.queue_names[gpu[frame_names != 0]] = frame_names[frame_names != 0]
+    ids = gpu[live]
+    m.without_serving[ids] = np.where(
+        serving[live] > 0, 0, np.minimum(m.without_serving[ids] + 1, 10)
+    )
+    m.recent[ids, :, 1] = m.recent[ids, :, 0]
+    m.recent[ids, :, 0] = np.stack([queue[live], effective[live], rho[live]], axis=1)
+    m.recent_n[ids] += 1
+    _ring_push(m.saturated, m.saturated_n, gpu[saturated & live], completions[saturated & live])
+    known_size = live & ~np.isnan(size)
+    _ring_push(m.batch_sizes, m.batch_sizes_n, gpu[known_size], size[known_size])
+    raw = col("completions_per_second")
+    waiting = live & ~np.isnan(raw) & (col("queue_depth_mean") > 0)
+    _ring_push(m.completions, m.completions_n, gpu[waiting], raw[waiting])
+    known_memory_live = live & ~np.isnan(memory_ratio)
+    m.memory_y[gpu[known_memory_live], m.memory_n[gpu[known_memory_live]] % m.history] = (
+        memory_ratio[known_memory_live]
+    )
+    _ring_push(m.memory_t, m.memory_n, gpu[known_memory_live], col("t_end")[known_memory_live])
+    return index, np.column_stack([out[name] for name in COLUMNS])
+
+
+def _in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
+    """For picked positions of an array sorted by group: each one's rank among the picked of
+    its group."""
+    groups = sorted_groups[picked]
+    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    return np.arange(len(picked)) - np.repeat(starts, np.diff(np.r_[starts, len(picked)]))
+
+
+def _full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
+    """GPU seconds per request at full batches, per row of (batch size, batch time) points
+    (NaN-padded), from a line T = a*b + c through the batch times T of batch sizes b: prefill
+    grows with the batch, a decode step hardly does, so a GPU running small batches back to
+    back can still have room for more. NaN where fewer than 4 points, or the batch sizes seen
+    do not spread enough to tell a from c."""
+    b, t = points[:, :, 0], points[:, :, 1]
+    known = ~np.isnan(b)
+    n = np.count_nonzero(known, axis=1)
+    b0, t0 = np.where(known, b, 0.0), np.where(known, t, 0.0)
+    mean_b = b0.sum(axis=1) / n
+    mean_t = t0.sum(axis=1) / n
+    db = np.where(known, b - mean_b[:, None], 0.0)
+    dt = np.where(known, t - mean_t[:, None], 0.0)
+    var_b = (db * db).sum(axis=1) / n
+    slope = (db * dt).sum(axis=1) / n / var_b
+    intercept = mean_t - slope * mean_b
+    through_zero = (b0 * t0).sum(axis=1) / (b0 * b0).sum(axis=1)
+    negative = slope < 0
+    slope, intercept = (
+        np.where(negative, 0.0, np.where(intercept < 0, through_zero, slope)),
+        np.where(negative, mean_t, np.where(intercept < 0, 0.0, intercept)),
+    )
+    cost = (slope * largest + intercept) / largest
+    return np.where((n >= 4) & (var_b > (0.15 * mean_b) ** 2), cost, _NAN)

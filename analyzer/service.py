@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
+from gpubalance.analyzer.features import FeatureStream, FeatureTable, concatenate
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import FrameSource, SourceError, open_source
 from gpubalance.analyzer.verdict import Classifier, Diagnosis, Verdicts
@@ -203,6 +203,11 @@ class AnalyzerService:
         self._cycles = 0
         self._cycle_seconds_total = 0.0
         self._last_cycle_seconds: float | None = None
+        # the features of the last pull and the history behind them: a cycle builds only
+        # the windows the last one had not made final (at fleet size a whole lookback costs
+        # seconds); a service restarted rebuilds from what the source holds
+        self._stream: FeatureStream | None = None
+        self._table: FeatureTable | None = None
 
     @property
     def recommender_name(self) -> str | None:
@@ -239,7 +244,7 @@ class AnalyzerService:
         table: FeatureTable | None = None
         try:
             if frames:
-                table = FeatureBuilder().transform(frames)
+                table = self._features(frames)
                 fit = getattr(self.classifier, "fit", None)
                 if fit is not None and not hasattr(self.classifier, "classes_"):
                     fit(table)  # the rule baselines learn nothing: fit only sets their classes
@@ -248,6 +253,7 @@ class AnalyzerService:
                 diagnosis = Diagnosis((), ())
         except Exception as exc:  # a bug must cost a cycle, not the service
             log.exception("diagnosis failed")
+            self._stream = self._table = None  # the next cycle rebuilds from the source
             with self._lock:
                 self._cycle_failures["diagnose"] += 1
             why = f"diagnosis failed: {exc!r}"
@@ -266,6 +272,24 @@ class AnalyzerService:
                 with self._lock:
                     self._cycle_failures["recommend"] += 1
         self._publish(_Published.of(now, status, diagnosis), started)
+
+    def _features(self, frames: Sequence[GpuFrame]) -> FeatureTable:
+        """The features of the pull: the windows an earlier cycle made final kept, the rest
+        built on the history the earlier cycles left. A pull that does not reach back to a
+        final window (the first, one after an outage longer than the lookback, a source that
+        went back in time) starts afresh from what the source holds, as a restart would."""
+        first = min(f.t_start for f in frames)
+        newest = max(f.t_start for f in frames)
+        stream, kept = self._stream, self._table
+        if stream is None or kept is None or not first <= stream.final_t_start <= newest:
+            stream, kept = FeatureStream(), None
+        final = stream.final_t_start
+        parts = [stream.add(frames)]
+        if kept is not None:
+            rows = [i for i, f in enumerate(kept.frames) if first <= f.t_start <= final]
+            parts.insert(0, FeatureTable(tuple(kept.frames[i] for i in rows), kept.values[rows]))
+        self._stream, self._table = stream, concatenate(parts)
+        return self._table
 
     def _publish(self, published: _Published, started: float) -> None:
         self._published = published

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,14 +145,19 @@ class _Context:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GpuFrame))
 _FIELD_VALUES = operator.attrgetter(*_FIELDS)
+# the fields that hold numbers (or None): the only ones a NaN can be in
+_FIGURE_VALUES = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(GpuFrame) if re.search(r"\b(float|int)\b", str(f.type)))
+)
 
 
 def _finite(frame: GpuFrame) -> GpuFrame:
     """The frame with NaN or infinite figures (a damaged recording) as None: unknown."""
-    values = _FIELD_VALUES(frame)
-    # a sum of finite figures is finite (or overflows: then each is looked at)
-    if math.isfinite(sum(v for v in values if isinstance(v, float))):
+    # a sum of finite figures is finite (or overflows: then each is looked at); None and
+    # zeros left out of it change nothing, and filter drops them without a Python loop
+    if math.isfinite(sum(filter(None, _FIGURE_VALUES(frame)))):
         return frame
+    values = _FIELD_VALUES(frame)
     bad = {
         name: None
         for name, value in zip(_FIELDS, values, strict=True)
@@ -641,11 +647,12 @@ class Verdicts:
             groups.setdefault((verdict.t_start, verdict.host, verdict.pool), []).append(
                 (verdict, row)
             )
-        idle = table.column("idle_while_peer_queued")
-        queue = table.column("queue_batches")
+        # Python floats, converted once for all pools
+        idle = table.column("idle_while_peer_queued").tolist()
+        queue = table.column("queue_batches").tolist()
         for (t_start, host, pool), members in groups.items():
             rows = [r for _, r in members if r is not None]
-            values = [float(idle[r]) for r in rows if _known(idle[r])]
+            values = [idle[r] for r in rows if _known(idle[r])]
             ratio = round(float(np.mean(values)), 4) if values else None
             queued = {
                 v.gpu

@@ -99,3 +99,30 @@ def test_a_diagnosis_that_fails_turns_the_gpus_unknown_with_the_reason(recorded:
     assert "expecting 30 features" in str(failed.gpus[0].unknown_reason)
     assert failed.history == judged.gpus
     assert service.health().cycle_failures == {"diagnose": 1}
+
+
+@pytest.fixture(scope="module")
+def longer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("skewed-long")
+    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 300, 1, out, snapshots=True)
+    return out
+
+
+def test_a_growing_run_is_judged_as_a_full_rebuild_judges_it(longer: Path, tmp_path: Path) -> None:
+    # each cycle builds only the windows the last had not made final; cut anywhere, mid-window
+    # too, the newest window of a cycle is whole only in the next
+    lines = (longer / "snapshots.jsonl").read_bytes().splitlines(keepends=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    growing = AnalyzerService(LabRunSource(run_dir), QueueUtilization())
+    for cut in (40, 75, 76, 140, 205, len(lines)):
+        (run_dir / "snapshots.jsonl").write_bytes(b"".join(lines[:cut]))
+        growing.cycle()
+    assert growing.health().cycle_failures == {}
+    fresh = AnalyzerService(LabRunSource(run_dir), QueueUtilization())
+    fresh.cycle()
+    rebuilt, kept = fresh.diagnosis(history=100), growing.diagnosis(history=100)
+    assert len(kept.history) > 30
+    assert kept.gpus == rebuilt.gpus
+    assert kept.history == rebuilt.history
+    assert kept.fleet_history == rebuilt.fleet_history
