@@ -132,7 +132,7 @@ class Run:
 def simulate(kind: str, seed: int, seconds: float, scrape_seconds: float, offset: float) -> Run:
     """Run ``kind`` at the fast speed and scrape its exporter's exposition every
     ``scrape_seconds`` (the first scrape ``offset`` seconds into the run)."""
-    from gpubalance.exporter.exposition import render
+    from gpubalance.exporter.exposition.profiles import render
     from gpubalance.exporter.view import View
     from gpubalance.exporter.window import compute_window
     from gpubalance.lab import fast

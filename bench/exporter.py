@@ -39,7 +39,7 @@ import dataclasses, json, sys, time
 from gpubalance.exporter.collectors.base import SampleParts
 from gpubalance.exporter.cli import build_collectors
 from gpubalance.exporter.config import ExporterConfig
-from gpubalance.exporter.exposition import render
+from gpubalance.exporter.exposition.profiles import render
 from gpubalance.exporter.sampler import Sampler
 from gpubalance.exporter.window import compute_window
 

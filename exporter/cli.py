@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampler = Sampler(config, collectors, config.resolved_hostname())
     if args.once:
-        from gpubalance.exporter.exposition import render
+        from gpubalance.exporter.exposition.profiles import render
 
         try:
             serving = next((c for c in collectors if getattr(c, "name", "") == "serving"), None)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gpubalance.exporter.collectors.serving.collector import ServingCollector
 from gpubalance.exporter.config import ExporterConfig
-from gpubalance.exporter.exposition import PROFILES, render
+from gpubalance.exporter.exposition.profiles import PROFILES, render
 from gpubalance.exporter.sampler import Sampler
 from gpubalance.snapshot import SCHEMA, Snapshot, to_json
 
