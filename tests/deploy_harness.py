@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +18,8 @@ RECORDING = PROMETHEUS / "rules" / "recording.yml"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 RUNBOOKS = ROOT / "docs" / "runbooks"
 RULE_TESTS = ROOT / "tests" / "deploy" / "rules"
+BALANCED = ROOT / "tests" / "deploy" / "fixtures" / "balanced.yml"
+BALANCED_SCRIPT = ROOT / "tests" / "deploy" / "balanced_series.py"
 
 
 def needs(command: str, package: str) -> pytest.MarkDecorator:
@@ -41,3 +44,31 @@ def rules(path: Path) -> list[dict[str, Any]]:
 
 def alerts() -> list[dict[str, Any]]:
     return rules(ALERTS)
+
+
+# what Prometheus serves itself, beside our series
+PROMETHEUS_SERIES = {"up"}
+KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+
+
+def series_named(expr: str) -> set[str]:
+    """The series an expression selects: every name that is not a function, an aggregation, a
+    keyword, a label or a duration."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", "", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    text = re.sub(r"\[[^\]]*\]", "", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        if text[match.end() :].lstrip().startswith("(") or match.group().lower() in KEYWORDS:
+            continue
+        names.add(match.group())
+    return names
+
+
+def series_read_by_rules() -> set[str]:
+    """The series the rules select, recorded ones left out."""
+    recorded = {rule["record"] for rule in rules(RECORDING)}
+    return {
+        name for rule in rules(RECORDING) + alerts() for name in series_named(rule["expr"])
+    } - recorded
