@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +75,19 @@ def series_read_by_rules() -> set[str]:
     return {
         name for rule in rules(RECORDING) + alerts() for name in series_named(rule["expr"])
     } - recorded
+
+
+@dataclass
+class RunningAlertmanager:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def request(self, path: str, body: object | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read()
+        return json.loads(text) if text else None
