@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
     "analyzer": ("gpubalance.analyzer.server", "verdicts and recommendations over HTTP; training"),
+    "docs": ("gpubalance.metrics_reference", "write the metrics reference (docs/metrics.md)"),
 }
 # a command's own subcommands (`gpubalance analyzer train`): the module's add_commands(sub) adds
 # them, each with its own _run default; the bare command does what its own module's run() does

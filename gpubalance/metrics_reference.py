@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -254,17 +255,15 @@ def all_metrics() -> list[MetricDoc]:
 
 
 def markdown(metrics: Sequence[MetricDoc]) -> str:
-    lines = [
-        "# Metrics reference",
-        "",
+    intro = (
         "Every metric the exporter, the analyzer and the controller serve on `/metrics`, "
         "generated from the code that serves them: `gpubalance docs metrics` writes this file "
         "(a test checks it is current and lists everything a real scrape shows). Counters "
         "and summaries of the analyzer and the controller also serve prometheus_client's "
         "`_created` gauge, left out here. The exporter's labels are those of the native "
-        "profile; Prometheus adds `instance` and `job`.",
-        "",
-    ]
+        "profile; Prometheus adds `instance` and `job`."
+    )
+    lines = ["# Metrics reference", "", textwrap.fill(intro, 95, break_on_hyphens=False), ""]
     for process, title in (
         ("exporter", "Exporter (`gpubalance exporter`, native profile)"),
         ("exporter --names dcgm", "Exporter, DCGM profile (`--names dcgm` or `both`)"),

@@ -6,7 +6,11 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,3 +95,70 @@ class RunningAlertmanager:
         with urllib.request.urlopen(request, timeout=10) as response:
             text = response.read()
         return json.loads(text) if text else None
+
+
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+
+
+@dataclass
+class Process:
+    """A gpubalance process started by a test, and where it listens."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            return response.read().decode()
+
+    def wait_for(self, path: str, check: Callable[[str], bool], timeout: float = 60.0) -> str:
+        """The first answer ``check`` accepts, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, f"exited:\n{self.log.read_text()}"
+            try:
+                text = self.get(path)
+            except urllib.error.HTTPError as error:  # 503 until the first sample or cycle
+                text = f"HTTP {error.code}"
+            if check(text):
+                return text
+            assert time.monotonic() < deadline, f"{path} never as expected:\n{text}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start(
+    args: list[str], log: Path, env: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> Process:
+    """``python -m gpubalance ARGS`` listening on a free port: returns once it says where."""
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "gpubalance", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+        )
+    process = Process(popen, log)
+    deadline = time.monotonic() + timeout
+    while not (match := LISTENING.search(log.read_text(errors="replace"))):
+        assert popen.poll() is None, f"{args[0]} exited:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"{args[0]} did not listen:\n{log.read_text()}"
+        time.sleep(0.05)
+    process.url = match.group(1)
+    return process
+
+
+@dataclass
+class Scrapes:
+    """/metrics of each process, keyed by what the reference calls it."""
+
+    texts: dict[str, str]
