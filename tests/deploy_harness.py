@@ -25,8 +25,9 @@ RECORDING = PROMETHEUS / "rules" / "recording.yml"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 RUNBOOKS = ROOT / "docs" / "runbooks"
 RULE_TESTS = ROOT / "tests" / "deploy" / "rules"
-BALANCED = ROOT / "tests" / "deploy" / "fixtures" / "balanced.yml"
-BALANCED_SCRIPT = ROOT / "tests" / "deploy" / "balanced_series.py"
+LAB_FIXTURES = ROOT / "tests" / "deploy" / "fixtures"  # tests/deploy/lab_series.py writes them
+LAB_SERIES = ROOT / "tests" / "deploy" / "lab_series.py"
+DURATION_SECONDS = 1800  # of each lab run there
 
 
 def needs(command: str, package: str) -> pytest.MarkDecorator:

@@ -1,6 +1,6 @@
 """The Prometheus configuration and rules: valid for promtool, every series they name one that
 gpubalance serves (or a rule records), every alert unit-tested by promtool before and after its
-for:, and none firing on a balanced lab run."""
+for:, none firing on a balanced lab run and the imbalance alert on a skewed one."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from deploy_harness import (
     ALERTS,
-    BALANCED,
-    BALANCED_SCRIPT,
+    DURATION_SECONDS,
+    LAB_FIXTURES,
+    LAB_SERIES,
     PROMETHEUS,
     PROMETHEUS_SERIES,
     RECORDING,
@@ -100,17 +102,58 @@ def test_every_alert_has_a_unit_test_before_and_after_its_for() -> None:
                 }, f"{name}: every annotation, exactly"
 
 
-# -- a balanced run --------------------------------------------------------------------------
+# -- lab runs --------------------------------------------------------------------------------
+
+SKEWED_POOL = {"host": "skewed-heterogeneous", "pool": "llama-3.2-3b", "severity": "warning"}
+IDLE = (
+    "Pool llama-3.2-3b on skewed-heterogeneous: {} of its GPU-time over the last 10 minutes "
+    "went unused while another GPU of the pool held half a batch or more of waiting requests."
+)
+# run -> alert -> eval time -> (labels, description) of what fires then; every other alert is
+# checked quiet at every minute of the run, and these before their for: has passed
+LAB_RUNS: dict[str, dict[str, dict[str, tuple[dict[str, str], str]]]] = {
+    "balanced-4x4090": {},
+    "skewed-heterogeneous": {
+        "GPUBalancePoolImbalance": {
+            "20m": (SKEWED_POOL, IDLE.format("67.8%")),
+            "30m": (SKEWED_POOL, IDLE.format("68.01%")),
+        }
+    },
+}
 
 
 @needs("promtool", "prometheus")
-def test_no_alert_fires_on_a_balanced_lab_run(tmp_path: Path) -> None:
-    """The series Prometheus would hold after scraping a balanced run (the fixture written by
-    tests/deploy/balanced_series.py): no alert at any point of it."""
-    fixture = yaml.safe_load(BALANCED.read_text())
-    end = seconds(fixture["interval"]) * (len(_values(fixture)) - 1)
-    times = [f"{int(t)}s" for t in range(60, int(end) + 1, 60)]
-    assert len(times) >= 5, "the run is too short to outlast the alerts' for:"
+@pytest.mark.parametrize("scenario", sorted(LAB_RUNS))
+def test_on_lab_runs_only_the_alerts_of_their_trouble_fire(scenario: str, tmp_path: Path) -> None:
+    """The series Prometheus would hold after scraping a lab run (the fixtures written by
+    tests/deploy/lab_series.py): a balanced run fires nothing, a skewed one the imbalance."""
+    fixture = yaml.safe_load((LAB_FIXTURES / f"{scenario}.yml").read_text())
+    minutes = range(1, DURATION_SECONDS // 60 + 1)
+    by_name = {rule["alert"]: rule for rule in alerts()}
+    cases = []
+    for name, rule in by_name.items():
+        firing = LAB_RUNS[scenario].get(name, {})
+        quiet_until = min((seconds(t) for t in firing), default=float("inf")) - seconds(
+            rule.get("for", "0s")
+        )
+        cases += [
+            {"eval_time": f"{m}m", "alertname": name, "exp_alerts": []}
+            for m in minutes
+            if m * 60 <= quiet_until
+        ]
+        cases += [
+            {
+                "eval_time": t,
+                "alertname": name,
+                "exp_alerts": [
+                    {
+                        "exp_labels": labels,
+                        "exp_annotations": {**rule["annotations"], "description": description},
+                    }
+                ],
+            }
+            for t, (labels, description) in firing.items()
+        ]
     test = {
         "rule_files": [str(RECORDING), str(ALERTS)],
         "evaluation_interval": fixture["interval"],
@@ -118,38 +161,25 @@ def test_no_alert_fires_on_a_balanced_lab_run(tmp_path: Path) -> None:
             {
                 "interval": fixture["interval"],
                 "input_series": fixture["input_series"],
-                "alert_rule_test": [
-                    {"eval_time": t, "alertname": rule["alert"], "exp_alerts": []}
-                    for rule in alerts()
-                    for t in times
-                ],
+                "alert_rule_test": cases,
             }
         ],
     }
-    path = tmp_path / "balanced-test.yml"
+    path = tmp_path / f"{scenario}-test.yml"
     path.write_text(yaml.safe_dump(test, sort_keys=False))
     run("promtool", "test", "rules", path)
 
 
-def _values(fixture: dict) -> list[str]:
-    """The samples of the fixture's `up` series (every job is up at every scrape)."""
-    up = next(s for s in fixture["input_series"] if s["series"].startswith("up{"))
-    samples: list[str] = []
-    for term in up["values"].split():
-        value, _, count = term.partition("x")
-        samples += [value] * (int(count) + 1 if count else 1)
-    return samples
-
-
-def test_the_balanced_fixture_is_what_its_command_writes(tmp_path: Path) -> None:
-    out = tmp_path / "balanced.yml"
+def test_the_lab_fixtures_are_what_their_command_writes(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, str(BALANCED_SCRIPT), "--out", str(out)],
+        [sys.executable, str(LAB_SERIES), *sorted(LAB_RUNS), "--out", str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=600,
     )
-    assert out.read_text() == BALANCED.read_text(), (
-        f"regenerate it: PYTHONPATH=tests .venv/bin/python {BALANCED_SCRIPT.relative_to(ROOT)}"
-    )
+    for scenario in LAB_RUNS:
+        fresh = (tmp_path / f"{scenario}.yml").read_text()
+        assert fresh == (LAB_FIXTURES / f"{scenario}.yml").read_text(), (
+            f"regenerate: PYTHONPATH=tests .venv/bin/python {LAB_SERIES.relative_to(ROOT)}"
+        )

@@ -1,9 +1,10 @@
-"""Write tests/deploy/fixtures/balanced.yml: promtool input series of a balanced lab run.
+"""Write tests/deploy/fixtures/SCENARIO.yml: promtool input series of a lab run.
 
-    PYTHONPATH=tests .venv/bin/python tests/deploy/balanced_series.py [--out FILE]
+    PYTHONPATH=tests .venv/bin/python tests/deploy/lab_series.py [SCENARIO ...] [--out DIR]
 
-Runs ``balanced-4x4090`` at the fast speed (30 simulated minutes, seed 1, byte-identical for
-the seed) and turns it into what Prometheus would hold after scraping every 15 s:
+Runs each scenario (default: the ones the tests read) at the fast speed (30 simulated minutes,
+seed 1, byte-identical for the seed) and turns it into what Prometheus would hold after
+scraping every 15 s:
 
 - the exporter: each snapshot of the run rendered by the exporter's own renderer, as
   ``/metrics`` would serve it at that moment;
@@ -27,7 +28,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from deploy_harness import ROOT, series_read_by_rules
+from deploy_harness import DURATION_SECONDS, LAB_FIXTURES, series_read_by_rules
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,17 +43,16 @@ from gpubalance.exporter.exposition import render
 from gpubalance.exporter.view import View
 from gpubalance.snapshot import from_json
 
-FIXTURE = ROOT / "tests" / "deploy" / "fixtures" / "balanced.yml"
-SCENARIO, DURATION_SECONDS, SEED = "balanced-4x4090", 1800, 1
+FIXTURES = LAB_FIXTURES
+# a balanced run (no alert may fire) and an imbalanced one (the imbalance alerts must)
+SCENARIOS = ("balanced-4x4090", "skewed-heterogeneous")
+SEED = 1
 SCRAPE_SECONDS = 15
-HOST = SCENARIO  # the lab's host name: the exporter's instance label
-# job -> instance, as deploy/prometheus/prometheus.yml scrapes them
-JOBS = {
-    "gpubalance-exporter": HOST,
-    "gpubalance-analyzer": "127.0.0.1:9451",
-    "gpubalance-controller": "127.0.0.1:9470",
-}
-EXPORTER, ANALYZER, CONTROLLER = JOBS
+EXPORTER, ANALYZER, CONTROLLER = (
+    "gpubalance-exporter",
+    "gpubalance-analyzer",
+    "gpubalance-controller",
+)
 # which sample values are times (rebased to the run's start)
 TIMESTAMPS = {
     "gpubalance_exporter_last_sample_timestamp_seconds",
@@ -72,10 +72,9 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 class _FramesUpTo:
     """The run's frames whose window ended by ``now``: what a live source held then."""
 
-    description = SCENARIO
-
-    def __init__(self, frames: Sequence[GpuFrame]) -> None:
+    def __init__(self, frames: Sequence[GpuFrame], description: str) -> None:
         self.all = frames
+        self.description = description
         self.now = 0.0
 
     def frames(
@@ -88,7 +87,10 @@ class _FramesUpTo:
         return [f for f in self.all if f.t_end <= self.now]
 
 
-def record(run_dir: Path) -> dict[Key, dict[int, float]]:
+def record(run_dir: Path, scenario: str) -> dict[Key, dict[int, float]]:
+    # job -> instance, as deploy/prometheus/prometheus.yml scrapes them; the lab's host name is
+    # the scenario's
+    jobs = {EXPORTER: scenario, ANALYZER: "127.0.0.1:9451", CONTROLLER: "127.0.0.1:9470"}
     wanted = series_read_by_rules()
     series: dict[Key, dict[int, float]] = {}
     snapshots = [
@@ -109,7 +111,7 @@ def record(run_dir: Path) -> dict[Key, dict[int, float]]:
         series.setdefault(key, {})[step] = value
 
     by_time = {round(s.sample.timestamp_seconds - t0): s for s in snapshots}
-    frames_source = _FramesUpTo(open_source(str(run_dir)).frames(None, None, 30.0))
+    frames_source = _FramesUpTo(open_source(str(run_dir)).frames(None, None, 30.0), scenario)
     service = AnalyzerService(
         frames_source,
         CLASSIFIERS["baseline-queue"](),
@@ -122,7 +124,7 @@ def record(run_dir: Path) -> dict[Key, dict[int, float]]:
         controller.source_up.labels(source).set(1)
     for step in range(DURATION_SECONDS // SCRAPE_SECONDS + 1):
         t = step * SCRAPE_SECONDS
-        for job, instance in JOBS.items():
+        for job, instance in jobs.items():
             keep(step, "up", {}, 1.0, job, instance)
         snapshot = by_time.get(t)
         if snapshot is not None:
@@ -137,16 +139,16 @@ def record(run_dir: Path) -> dict[Key, dict[int, float]]:
                 snapshot.trend_window_seconds,
             )
             for name, labels, value in samples(render(view, "native").decode()):
-                keep(step, name, labels, value, EXPORTER, JOBS[EXPORTER])
+                keep(step, name, labels, value, EXPORTER, jobs[EXPORTER])
         frames_source.now = t0 + t
         service.cycle()
         for family in AnalyzerCollector(service).collect():
             for s in family.samples:
-                keep(step, s.name, dict(s.labels), s.value, ANALYZER, JOBS[ANALYZER])
+                keep(step, s.name, dict(s.labels), s.value, ANALYZER, jobs[ANALYZER])
         for _ in range(SCRAPE_SECONDS // 10 + (step % 2 if SCRAPE_SECONDS % 10 else 0)):
             controller.cycle_duration.observe(0.01)
         for name, labels, value in samples(generate_latest(controller.registry).decode()):
-            keep(step, name, labels, value, CONTROLLER, JOBS[CONTROLLER])
+            keep(step, name, labels, value, CONTROLLER, jobs[CONTROLLER])
     return series
 
 
@@ -177,12 +179,12 @@ def selector(key: Key) -> str:
     return name + "{" + ", ".join(f"{k}={json.dumps(v)}" for k, v in labels) + "}"
 
 
-def fixture_text(series: dict[Key, dict[int, float]]) -> str:
+def fixture_text(series: dict[Key, dict[int, float]], scenario: str) -> str:
     steps = DURATION_SECONDS // SCRAPE_SECONDS + 1
     lines = [
-        f"# promtool input series: {SCENARIO}, {DURATION_SECONDS} s at the fast speed, seed "
+        f"# promtool input series: {scenario}, {DURATION_SECONDS} s at the fast speed, seed "
         f"{SEED}, scraped every {SCRAPE_SECONDS} s.",
-        "# Written by tests/deploy/balanced_series.py; do not edit.",
+        "# Written by tests/deploy/lab_series.py; do not edit.",
         f"interval: {SCRAPE_SECONDS}s",
         "input_series:",
     ]
@@ -192,40 +194,31 @@ def fixture_text(series: dict[Key, dict[int, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def generate() -> str:
+def generate(scenario: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = Path(tmp) / scenario  # the lab names the host after the run's directory
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "gpubalance",
-                "lab",
-                "run",
-                SCENARIO,
-                "--speed",
-                "fast",
-                "--duration",
-                str(DURATION_SECONDS),
-                "--seed",
-                str(SEED),
-                "--snapshots",
-                "--out",
-                str(run_dir),
+                *(sys.executable, "-m", "gpubalance", "lab", "run", scenario, "--speed", "fast"),
+                *("--duration", str(DURATION_SECONDS), "--seed", str(SEED), "--snapshots"),
+                *("--out", str(run_dir)),
             ],
             check=True,
             capture_output=True,
         )
-        return fixture_text(record(run_dir))
+        return fixture_text(record(run_dir, scenario), scenario)
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=FIXTURE, help=f"default {FIXTURE}")
-    out = parser.parse_args(argv).out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(generate())
-    print(f"wrote {out}")
+    parser.add_argument("scenarios", nargs="*", default=SCENARIOS, metavar="SCENARIO")
+    parser.add_argument("--out", type=Path, default=FIXTURES, help=f"default {FIXTURES}")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for scenario in args.scenarios:
+        path = args.out / f"{scenario}.yml"
+        path.write_text(generate(scenario))
+        print(f"wrote {path}")
     return 0
 
 
