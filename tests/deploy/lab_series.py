@@ -44,8 +44,8 @@ from gpubalance.exporter.view import View
 from gpubalance.snapshot import from_json
 
 FIXTURES = LAB_FIXTURES
-# a balanced run (no alert may fire) and an imbalanced one (the imbalance alerts must)
-SCENARIOS = ("balanced-4x4090", "skewed-heterogeneous")
+# a balanced run (no alert may fire), an imbalanced one, a throttled card and a lost one
+SCENARIOS = ("balanced-4x4090", "skewed-heterogeneous", "thermal-throttle", "gpu-lost")
 SEED = 1
 SCRAPE_SECONDS = 15
 EXPORTER, ANALYZER, CONTROLLER = (
@@ -153,25 +153,34 @@ def record(run_dir: Path, scenario: str) -> dict[Key, dict[int, float]]:
 
 
 def values(points: dict[int, float], steps: int) -> str:
-    """promtool's notation: a value per step, ``_`` where the series is absent, runs of one
-    value as ``VxN``."""
+    """promtool's notation, a value per step: ``stale`` where the series left the scrape (the
+    staleness marker Prometheus writes then, so that it vanishes at once rather than five
+    minutes later), ``_`` where there is no sample, runs of one value as ``V+0xN``."""
+    cells: list[float | str | None] = []
+    for step in range(steps):
+        value = points.get(step)
+        seen_before = step > 0 and points.get(step - 1) is not None
+        cells.append("stale" if value is None and seen_before else value)
     out: list[str] = []
-    run_value, run_length = None, 0
-    cells = [points.get(step) for step in range(steps)]
+    run_value: object = None
+    run_length = 0
     for cell in [*cells, object()]:
         if cell == run_value and run_length:
             run_length += 1
             continue
         if run_length:
-            text = "_" if run_value is None else f"{run_value:.6g}"
-            if run_length == 1:
-                out.append(text)
-            elif run_value is None:
-                out.append(f"_x{run_length}")  # _xN: N missing samples
-            else:
-                out.append(f"{text}+0x{run_length - 1}")  # a+bxN: N + 1 samples
+            out.append(_run(run_value, run_length))
         run_value, run_length = cell, 1
     return " ".join(out)
+
+
+def _run(value: object, length: int) -> str:
+    if value is None:
+        return "_" if length == 1 else f"_x{length}"  # _xN: N missing samples
+    if value == "stale":
+        return " ".join(["stale"] * length)
+    text = f"{value:.6g}"
+    return text if length == 1 else f"{text}+0x{length - 1}"  # a+bxN: N + 1 samples
 
 
 def selector(key: Key) -> str:
