@@ -20,6 +20,7 @@ from deploy_harness import (
     PROMETHEUS,
     PROMETHEUS_SERIES,
     RECORDING,
+    RECORDING_TEST,
     ROOT,
     RULE_TESTS,
     alerts,
@@ -100,6 +101,20 @@ def test_every_alert_has_a_unit_test_before_and_after_its_for() -> None:
                     "description": alert["exp_annotations"]["description"],
                     "runbook_url": rule["annotations"]["runbook_url"],
                 }, f"{name}: every annotation, exactly"
+
+
+@needs("promtool", "prometheus")
+def test_promtool_unit_test_of_the_recording_rules_passes() -> None:
+    run("promtool", "test", "rules", RECORDING_TEST)
+
+
+def test_every_recording_rule_has_an_expected_value() -> None:
+    tested = {
+        case["expr"]
+        for test in yaml.safe_load(RECORDING_TEST.read_text())["tests"]
+        for case in test.get("promql_expr_test", [])
+    }
+    assert tested == {rule["record"] for rule in rules(RECORDING)}
 
 
 # -- lab runs --------------------------------------------------------------------------------
