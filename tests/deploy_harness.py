@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -123,6 +124,8 @@ class Process:
                 text = self.get(path)
             except urllib.error.HTTPError as error:  # 503 until the first sample or cycle
                 text = f"HTTP {error.code}"
+            except urllib.error.URLError as error:  # not listening yet
+                text = str(error.reason)
             if check(text):
                 return text
             assert time.monotonic() < deadline, f"{path} never as expected:\n{text}"
@@ -161,6 +164,34 @@ def start(
 
 @dataclass
 class Scrapes:
-    """/metrics of each process, keyed by what the reference calls it."""
+    """/metrics of each process (exporter, analyzer, controller), and where each listens."""
 
     texts: dict[str, str]
+    urls: dict[str, str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_prometheus(directory: Path) -> Process:
+    """A real Prometheus on ``directory``/prometheus.yml, its TSDB beside it; returns once
+    it is ready."""
+    url = f"http://127.0.0.1:{free_port()}"
+    log = directory / "prometheus.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={directory / 'prometheus.yml'}",
+                f"--storage.tsdb.path={directory / 'tsdb'}",
+                f"--web.listen-address={url.removeprefix('http://')}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    process = Process(popen, log, url)
+    process.wait_for("/-/ready", lambda text: "Ready" in text)
+    return process

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.server
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -16,17 +15,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from deploy_harness import ALERTMANAGER, ROOT, Process, RunningAlertmanager, Scrapes, start
+from deploy_harness import (
+    ALERTMANAGER,
+    ROOT,
+    Process,
+    RunningAlertmanager,
+    Scrapes,
+    free_port,
+    start,
+)
 
 from gpubalance.lab.fakenvml import write_state
 
 ALERTMANAGER_BINARY = "prometheus-alertmanager"  # Debian's name for the alertmanager binary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def alertmanager(tmp_path: Path) -> Iterator[RunningAlertmanager]:
     """deploy/alertmanager/alertmanager.yml in a real Alertmanager, alone (no cluster)."""
     if shutil.which(ALERTMANAGER_BINARY) is None:
         pytest.skip("alertmanager is missing: apt-get install prometheus-alertmanager")
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "alertmanager.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -165,7 +166,8 @@ def scrapes(
             "/metrics", lambda t: "gpubalance_controller_cycle_duration_seconds_count 0" not in t
         )
         yield Scrapes(
-            {"exporter": exporter_text, "analyzer": analyzer_text, "controller": controller_text}
+            {"exporter": exporter_text, "analyzer": analyzer_text, "controller": controller_text},
+            {"exporter": exporter.url, "analyzer": analyzer.url, "controller": controller.url},
         )
     finally:
         for process in started:

@@ -4,11 +4,15 @@ for:, none firing on a balanced lab run and the imbalance alert on a skewed one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -23,11 +27,13 @@ from deploy_harness import (
     RECORDING_TEST,
     ROOT,
     RULE_TESTS,
+    Scrapes,
     alerts,
     needs,
     rules,
     run,
     series_named,
+    start_prometheus,
 )
 
 from gpubalance.metrics_reference import all_metrics
@@ -57,6 +63,71 @@ def test_every_series_the_rules_name_is_served_or_recorded() -> None:
         if name not in served | recorded | PROMETHEUS_SERIES
     }
     assert not unknown, f"rules name series nothing serves: {sorted(unknown)}"
+
+
+# the recording rules that give series on the scrapes: not the spread per queue, since the
+# vLLM endpoint's queue is not on a GPU of the fake driver
+WITH_DATA = {
+    "host_pool:gpubalance_fleet_idle_while_queued_ratio:avg10m",
+    "fleet:gpubalance_fleet_idle_while_queued_ratio:avg",
+    "instance:gpubalance_gpu_utilization_ratio:spread",
+    "instance:gpubalance_gpu_utilization_ratio:stddev",
+    "instance_gpu:gpubalance_queue_depth:sum",
+    "instance_gpu:gpubalance_queue_depth:deriv5m",
+}
+
+
+def _api(url: str, path: str) -> Any:
+    with urllib.request.urlopen(url + path, timeout=10) as response:
+        return json.loads(response.read())["data"]
+
+
+@needs("prometheus", "prometheus")
+def test_a_real_prometheus_scrapes_the_three_jobs_and_evaluates_every_rule(
+    scrapes: Scrapes, tmp_path: Path
+) -> None:
+    """deploy/prometheus/prometheus.yml with its targets pointed at an exporter on the fake
+    driver, an analyzer and a controller: every target up, the exporter's instance its host
+    name, every rule evaluated without error and the recording rules giving series."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RECORDING), str(ALERTS)]
+    del config["alerting"]  # no Alertmanager here
+    for job in config["scrape_configs"]:
+        url = scrapes.urls[job["job_name"].removeprefix("gpubalance-")]
+        job["static_configs"] = [{"targets": [url.removeprefix("http://")]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prometheus = start_prometheus(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            targets = _api(prometheus.url, "/api/v1/targets")["activeTargets"]
+            groups = _api(prometheus.url, "/api/v1/rules")["groups"]
+            evaluated = [r for g in groups for r in g["rules"] if r["lastEvaluation"] > "2000"]
+            recorded = {
+                r["name"]
+                for r in evaluated
+                if r["type"] == "recording"
+                and _api(prometheus.url, f"/api/v1/query?query={r['name']}")["result"]
+            }
+            if (
+                len(targets) == 3
+                and all(t["health"] == "up" for t in targets)
+                and len(evaluated) == len(rules(RECORDING)) + len(alerts())
+                and recorded >= WITH_DATA
+            ):
+                break
+            assert time.monotonic() < deadline, (
+                f"targets {[(t['labels'], t['health'], t['lastError']) for t in targets]}; "
+                f"{len(evaluated)} rules evaluated; recorded {sorted(recorded)}"
+            )
+            time.sleep(0.5)
+    finally:
+        prometheus.stop()
+    errors = [(r["name"], r["lastError"]) for r in evaluated if r["health"] != "ok"]
+    assert not errors, errors
+    exporter = next(t for t in targets if t["labels"]["job"] == "gpubalance-exporter")
+    assert exporter["labels"]["instance"] == "127.0.0.1", "the port is not dropped"
 
 
 # -- promtool unit tests ---------------------------------------------------------------------
