@@ -129,13 +129,19 @@ def scrapes(
         capture_output=True,
         timeout=300,
     )
+    serving = tmp_path / "gpubalance.yaml"  # the vLLM endpoint feeds GPU 0
+    vllm_url = f"http://127.0.0.1:{vllm.server_address[1]}/metrics"
+    serving.write_text(
+        "exporter:\n  serving:\n    endpoints:\n"
+        f"      - {{url: '{vllm_url}', format: vllm, worker: vllm-0, gpu: 0}}\n"
+    )
     started: list[Process] = []
     try:
         exporter = start(
             [
                 *EXPORTER.split(),
                 *("--procfs", str(FIXTURE_PROC)),
-                *("--serving", f"vllm=http://127.0.0.1:{vllm.server_address[1]}/metrics"),
+                *("--config", str(serving)),
             ],
             tmp_path / "exporter.log",
             fakenvml_env(state_path),
