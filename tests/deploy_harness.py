@@ -84,22 +84,6 @@ def series_read_by_rules() -> set[str]:
     } - recorded
 
 
-@dataclass
-class RunningAlertmanager:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def request(self, path: str, body: object | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            text = response.read()
-        return json.loads(text) if text else None
-
-
 LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
@@ -114,6 +98,16 @@ class Process:
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=10) as response:
             return response.read().decode()
+
+    def json(self, path: str, body: object | None = None) -> Any:
+        """GET ``path``, or POST ``body`` to it as JSON; the answer's JSON."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read()
+        return json.loads(text) if text else None
 
     def wait_for(self, path: str, check: Callable[[str], bool], timeout: float = 60.0) -> str:
         """The first answer ``check`` accepts, within ``timeout`` seconds."""

@@ -8,9 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +16,6 @@ from deploy_harness import (
     ALERTMANAGER,
     ROOT,
     Process,
-    RunningAlertmanager,
     Scrapes,
     free_port,
     start,
@@ -31,7 +27,7 @@ ALERTMANAGER_BINARY = "prometheus-alertmanager"  # Debian's name for the alertma
 
 
 @pytest.fixture
-def alertmanager(tmp_path: Path) -> Iterator[RunningAlertmanager]:
+def alertmanager(tmp_path: Path) -> Iterator[Process]:
     """deploy/alertmanager/alertmanager.yml in a real Alertmanager, alone (no cluster)."""
     if shutil.which(ALERTMANAGER_BINARY) is None:
         pytest.skip("alertmanager is missing: apt-get install prometheus-alertmanager")
@@ -49,23 +45,10 @@ def alertmanager(tmp_path: Path) -> Iterator[RunningAlertmanager]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    running = RunningAlertmanager(url, process, log)
-    deadline = time.monotonic() + 30
-    while True:
-        assert process.poll() is None, f"alertmanager exited:\n{log.read_text()}"
-        try:
-            urllib.request.urlopen(url + "/-/ready", timeout=2).close()
-            break
-        except (urllib.error.URLError, ConnectionError):
-            assert time.monotonic() < deadline, f"alertmanager not ready:\n{log.read_text()}"
-            time.sleep(0.1)
+    running = Process(process, log, url)
+    running.wait_for("/-/ready", lambda text: "OK" in text, timeout=30)
     yield running
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    running.stop()
 
 
 # -- real scrapes of the three processes, as small as they can be -----------------------------

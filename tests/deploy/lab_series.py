@@ -14,8 +14,9 @@ scraping every 15 s:
   controller keeps it with nothing to do, a pass every 10 s and both sources up;
 - ``up`` 1 for the three jobs.
 
-Only the series the rules read are kept, so the fixture stays small. Times are seconds from the
-run's start (promtool's evaluation starts at 0).
+Only the series the rules read are kept, so the fixture stays small. A series that leaves the
+scrape gets the staleness marker Prometheus writes then. Times are seconds from the run's start
+(promtool's evaluation starts at 0).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from gpubalance.exporter.exposition import render
 from gpubalance.exporter.view import View
 from gpubalance.snapshot import from_json
 
-FIXTURES = LAB_FIXTURES
 # a balanced run (no alert may fire), an imbalanced one, a throttled card and a lost one
 SCENARIOS = ("balanced-4x4090", "skewed-heterogeneous", "thermal-throttle", "gpu-lost")
 SEED = 1
@@ -221,7 +221,7 @@ def generate(scenario: str) -> str:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("scenarios", nargs="*", default=SCENARIOS, metavar="SCENARIO")
-    parser.add_argument("--out", type=Path, default=FIXTURES, help=f"default {FIXTURES}")
+    parser.add_argument("--out", type=Path, default=LAB_FIXTURES, help=f"default {LAB_FIXTURES}")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for scenario in args.scenarios:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from deploy_harness import ALERTMANAGER, RunningAlertmanager, alerts, needs, run
+from deploy_harness import ALERTMANAGER, Process, alerts, needs, run
 
 RECEIVER_OF = {
     "critical": "gpubalance-pager",
@@ -44,7 +44,7 @@ def _alert(name: str, severity: str, **labels: str) -> dict:
 
 
 def test_a_critical_inhibits_the_warnings_of_the_same_gpu_or_host(
-    alertmanager: RunningAlertmanager,
+    alertmanager: Process,
 ) -> None:
     gpu2 = {"instance": "gpu-host-1", "gpu": "2", "uuid": "GPU-2"}
     analyzer = {"instance": "127.0.0.1:9451", "host": "gpu-host-1", "gpu": "2", "uuid": "GPU-2"}
@@ -60,13 +60,13 @@ def test_a_critical_inhibits_the_warnings_of_the_same_gpu_or_host(
             "GPUBalanceServingSourceStale", "warning", instance="gpu-host-2", source="vllm"
         ),
     }
-    alertmanager.request("/api/v2/alerts", list(posted.values()))
+    alertmanager.json("/api/v2/alerts", list(posted.values()))
     suppressed = {"throttled, same GPU", "unknown, same GPU", "source stale, same host"}
     deadline = time.monotonic() + 30
     while True:
         states = {
             key: state
-            for a in alertmanager.request("/api/v2/alerts")
+            for a in alertmanager.json("/api/v2/alerts")
             for key, sent in posted.items()
             if a["labels"] == sent["labels"]
             for state in [a["status"]["state"]]

@@ -5,15 +5,12 @@ just the alerts of their trouble firing (none on a balanced one)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -66,11 +63,6 @@ def test_every_series_the_rules_name_is_served_or_recorded() -> None:
     assert not unknown, f"rules name series nothing serves: {sorted(unknown)}"
 
 
-def _api(url: str, path: str) -> Any:
-    with urllib.request.urlopen(url + path, timeout=10) as response:
-        return json.loads(response.read())["data"]
-
-
 @needs("prometheus", "prometheus")
 def test_a_real_prometheus_scrapes_the_three_jobs_and_evaluates_every_rule(
     scrapes: Scrapes, tmp_path: Path
@@ -90,14 +82,14 @@ def test_a_real_prometheus_scrapes_the_three_jobs_and_evaluates_every_rule(
     try:
         deadline = time.monotonic() + 120
         while True:
-            targets = _api(prometheus.url, "/api/v1/targets")["activeTargets"]
-            groups = _api(prometheus.url, "/api/v1/rules")["groups"]
+            targets = prometheus.json("/api/v1/targets")["data"]["activeTargets"]
+            groups = prometheus.json("/api/v1/rules")["data"]["groups"]
             evaluated = [r for g in groups for r in g["rules"] if r["lastEvaluation"] > "2000"]
             recorded = {
                 r["name"]
                 for r in evaluated
                 if r["type"] == "recording"
-                and _api(prometheus.url, f"/api/v1/query?query={r['name']}")["result"]
+                and prometheus.json(f"/api/v1/query?query={r['name']}")["data"]["result"]
             }
             if (
                 len(targets) == 3
