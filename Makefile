@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
-SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl amtool:prometheus-alertmanager
+SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl chromium:chromium amtool:prometheus-alertmanager
 FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`
 N ?= 5
@@ -64,6 +64,7 @@ bench: venv system-deps fakenvml
 	$(PY) bench/lab.py
 	$(PY) bench/validation.py
 	$(PY) bench/analyzer.py
+	$(PY) bench/loop.py
 	$(PY) bench/fuzz.py --exposition $(FUZZ_INPUTS) --otlp $(FUZZ_INPUTS)
 
 # 30 minutes: too long for `make bench`; the tests run a 2-minute version

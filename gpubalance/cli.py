@@ -19,10 +19,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
     "analyzer": ("gpubalance.analyzer.server", "verdicts and recommendations over HTTP; training"),
+    "dashboards": ("gpubalance.dashboards.cli", "write the Grafana dashboards as JSON"),
+    "report": ("gpubalance.analyzer.report", "an HTML page of plots of a recorded run"),
+    "deploy": ("gpubalance.deploy", "deploy kit: the Kubernetes PrometheusRule of the rules files"),
+    "bench": ("gpubalance.lab.loop_bench", "benchmarks: bench loop, the closed loop in the lab"),
 }
 # a command's own subcommands (`gpubalance analyzer train`): the module's add_commands(sub) adds
 # them, each with its own _run default; the bare command does what its own module's run() does
-NESTED: dict[str, str] = {"analyzer": "gpubalance.analyzer.training_cli"}
+NESTED: dict[str, str] = {
+    "analyzer": "gpubalance.analyzer.training_cli",
+    "bench": "gpubalance.lab.loop_bench",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -150,6 +150,11 @@ class FastRun:
     # -- running ----------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        self.start()
+        return self.finish()
+
+    def start(self) -> None:
+        """Set the server going; :meth:`advance` then runs it on, :meth:`finish` to the end."""
         env = self.env
         env.process(self._arrivals())
         for w in self.workers:
@@ -157,7 +162,17 @@ class FastRun:
         for event in sorted(self.scenario.events, key=lambda e: e.at):
             env.process(self._event(event))
         env.process(self._telemetry())
-        env.run(until=self.duration)
+
+    def advance(self, until_seconds: float) -> None:
+        """Run to ``until_seconds`` (at most the duration); what happens at that very instant
+        waits for the next call (SimPy stops before the events due then)."""
+        until = min(until_seconds, self.duration)
+        if until > self.env.now:
+            self.env.run(until=until)
+
+    def finish(self) -> RunResult:
+        env = self.env
+        self.advance(self.duration)
         # drain: requests that arrived keep going until answered; telemetry has stopped
         env.run()
         for pool, queue in self.central.items():
@@ -183,7 +198,7 @@ class FastRun:
             self._dispatch_pool(pool_name)
             return
         pool = self.pools[pool_name]
-        up = [w for w in pool if w.up and self.router.weight(w.name) > 0]
+        up = [w for w in pool if w.up and self.router.takes(w.name)]
         if not up:
             self._reject(request, 0.0, pool_name)  # no server available: HAProxy answers 503
             return
@@ -203,7 +218,7 @@ class FastRun:
             free = [
                 w
                 for w in self.pools[pool_name]
-                if w.up and w.in_flight < w.plan.max_batch_size and self.router.weight(w.name) > 0
+                if w.up and w.in_flight < w.plan.max_batch_size and self.router.takes(w.name)
             ]
             if not free:
                 return

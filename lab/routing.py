@@ -1,10 +1,14 @@
 """The lab's routers, for the fast speed; the live speed has HAProxy do the same.
 
 round_robin, weighted_round_robin (smooth, as HAProxy's roundrobin with weights),
-least_connections, random_of_2 (fewer in flight of two random picks, HAProxy's random(2)),
+least_connections (fewest in flight per unit of weight, as HAProxy's leastconn weighs
+servers), random_of_2 (fewer in flight of two random picks, HAProxy's random(2)),
 sticky (a session always goes to the worker its key hashes to; both speeds use
 :func:`sticky_target`, the live speed through HAProxy's cookie persistence) and pooled (one
 central queue the workers pull from: the simulator handles it, no per-request pick).
+A worker takes new requests while its weight is above 0 and its admin state is `ready` (a
+controller's `drain` or `maint`, as on HAProxy's runtime API, stops them; those in flight
+finish).
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ class Router:
     def __init__(self, policy: str, weights: dict[str, float], seed: int) -> None:
         self.policy = policy
         self.weights = dict(weights)
+        self.states: dict[str, str] = {}  # worker -> "drain" | "maint"; absent: ready
         self._rng = np.random.default_rng([seed, 0x5EED])
         self._next: dict[tuple[str, ...], int] = {}
         self._current: dict[str, float] = {}
 
     def weight(self, name: str) -> float:
         return self.weights.get(name, 1.0)
+
+    def takes(self, name: str) -> bool:
+        """Whether new requests may go to the worker: ready and weighted."""
+        return self.states.get(name, "ready") == "ready" and self.weight(name) > 0
 
     def pick(
         self, pool: Sequence[Candidate], up: Sequence[Candidate], session: str | None
@@ -51,8 +60,10 @@ class Router:
         if policy == "weighted_round_robin":
             return self._smooth_weighted(up)
         if policy == "least_connections":
-            least = min(c.in_flight for c in up)
-            return self._round_robin([c for c in up if c.in_flight == least])
+            # HAProxy's key: (in flight + 1) / weight; with equal weights, the fewest in flight
+            load = {c.name: (c.in_flight + 1) / self.weight(c.name) for c in up}
+            least = min(load.values())
+            return self._round_robin([c for c in up if load[c.name] == least])
         if policy == "random_of_2":
             if len(up) == 1:
                 return up[0]

@@ -78,6 +78,13 @@ EXPECTED: dict[str, Expect] = {
     ),
     "worker-crash": Expect(shows={1: {BALANCED, ("starved", "worker_crash")}, 0: {BALANCED}}),
     "gpu-lost": Expect(shows={0: {BALANCED, ("overloaded", "capacity_shortage")}, 2: {BALANCED}}),
+    "pool-demand-shift": Expect(
+        duration=600.0,  # the whole compressed day: each pool peaks once
+        shows={
+            g: {BALANCED, ("overloaded", "capacity_shortage"), ("starved", "low_demand")}
+            for g in range(4)
+        },
+    ),
 }
 
 

@@ -3,7 +3,8 @@
 The analyzer and the controller run on hosts of their own and talk to the exporter over HTTP:
 they import the shared types and helpers of ``gpubalance`` (telemetry, diagnosis, config,
 webconfig), never the exporter's internals; the controller reads the analyzer's answers as JSON
-and imports none of the analyzer either.
+and imports none of the analyzer either. The dashboards are queries over the metric names
+the parts serve and import none of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "analyzer": ("gpubalance.exporter",),
     "controller": ("gpubalance.exporter", "gpubalance.analyzer"),
+    # the dashboards are queries over served metric names: no part's code
+    "dashboards": ("gpubalance.exporter", "gpubalance.analyzer", "gpubalance.controller"),
 }
 
 

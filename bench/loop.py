@@ -1,0 +1,288 @@
+"""Closed-loop benchmark: the five balancing policies on the scenarios of each imbalance family,
+at the fast speed (`gpubalance bench loop`, `gpubalance.lab.loop_bench.run_policy`).
+
+Each scenario runs under round_robin, leastconn, random2, controller (leastconn with the
+analyzer and the controller acting every analysis window) and oracle (one central queue per
+pool), with `--seeds` seeds from the scenario's own; the table holds the median over the seeds of
+each figure. Results: bench/RESULTS.md (section "loop") and bench/loop.png.
+
+    python bench/loop.py [--seeds 3] [--duration SECONDS] [--scenario NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+sys.path.insert(0, str(BENCH))
+from results import progress, write_section  # noqa: E402
+
+from gpubalance.config import load_yaml, validate  # noqa: E402
+from gpubalance.lab import scenario  # noqa: E402
+from gpubalance.lab.loop_bench import ALL, POLICIES, LoopResult, run_policy  # noqa: E402
+from gpubalance.lab.scenario import Plan, Scenario  # noqa: E402
+
+# (family, shipped scenario): the shipped scenarios of each family the issue names
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("heterogeneous cards", "skewed-heterogeneous"),
+    ("heterogeneous cards", "slow-card-round-robin"),
+    ("skew: weights", "default-target"),
+    ("skew: sticky sessions", "sticky-sessions-skew"),
+    ("host-starved worker", "host-bound"),
+    ("mixed interactive and batch", "mixed-interactive-batch"),
+    ("memory pressure", "fragmented-memory"),
+    ("Azure code trace replay", "overprovisioned-fleet"),
+    ("pool-demand shift", "pool-demand-shift"),
+)
+# pool-demand-shift's static splits (GPUs of the chat pool, the rest code): the best of them is
+# what a controller that moves GPUs between the pools would have to beat
+SHIFT = "pool-demand-shift"
+SPLITS = ((0,), (0, 1), (0, 1, 2))
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def median(results: Sequence[LoopResult], figure: Callable[[LoopResult], float | None]) -> float:
+    values = [v for v in (figure(r) for r in results) if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def p99(r: LoopResult, service_class: str = ALL) -> float | None:
+    return r.latency[service_class].p99_seconds
+
+
+def run_all(names: Sequence[str], seeds: int, duration: float | None) -> dict[str, dict]:
+    out: dict[str, dict[str, list[LoopResult]]] = {}
+    with progress("loop benchmark", len(names) * len(POLICIES) * seeds) as advance:
+        for name in names:
+            plan = scenario.load(name)
+            length = duration or plan.scenario.duration_seconds
+            out[name] = {}
+            for policy in POLICIES:
+                runs = []
+                for k in range(seeds):
+                    runs.append(run_policy(plan, policy, plan.scenario.seed + k, length))
+                    advance()
+                out[name][policy] = runs
+    return out
+
+
+def split_plan(chat: Sequence[int]) -> Plan:
+    """pool-demand-shift with the chat pool on ``chat`` and the code pool on the other GPUs."""
+    document, _ = load_yaml(scenario.scenario_path(SHIFT))
+    gpus = sum(g["count"] for g in document["hardware"]["gpus"])
+    chat_spec, code_spec = document["workers"]
+    document["workers"] = [
+        {**chat_spec, "gpu": list(chat)},
+        {**code_spec, "gpu": [g for g in range(gpus) if g not in chat]},
+    ]
+    return scenario.plan(validate(Scenario, document, source=SHIFT), SHIFT)
+
+
+def run_splits(seeds: int) -> dict[str, dict[str, list[LoopResult]]]:
+    """Each static split under leastconn and the oracle."""
+    out: dict[str, dict[str, list[LoopResult]]] = {}
+    with progress("static splits", len(SPLITS) * 2 * seeds) as advance:
+        for chat in SPLITS:
+            plan = split_plan(chat)
+            key = f"{len(chat)} chat + {len(plan.gpus) - len(chat)} code"
+            out[key] = {}
+            for policy in ("leastconn", "oracle"):
+                out[key][policy] = []
+                for k in range(seeds):
+                    seed = plan.scenario.seed + k
+                    length = plan.scenario.duration_seconds
+                    out[key][policy].append(run_policy(plan, policy, seed, length))
+                    advance()
+    return out
+
+
+def split_report(splits: dict[str, dict[str, list[LoopResult]]]) -> list[str]:
+    if not splits:
+        return []
+    lines = [
+        "",
+        f"{SHIFT}, static splits of the four GPUs between the two pools (the shipped one is "
+        "2 + 2): p99 per pool, s, median over the seeds. Moving GPUs between the pools is "
+        "not built yet, so no controller row; the best split is the baseline it has to beat.",
+        "",
+        "| split | policy | p99 chat (interactive) | p99 code | p99 all |",
+        "|---|---|---|---|---|",
+    ]
+    for key, by_policy in splits.items():
+        for policy, runs in by_policy.items():
+            lines.append(
+                f"| {key} | {policy} | {_s(median(runs, lambda r: p99(r, 'interactive')))} "
+                f"| {_s(median(runs, lambda r: p99(r, 'code')))} | {_s(median(runs, p99))} |"
+            )
+    return lines
+
+
+def _tally(recommended: Sequence[dict[str, int]], refused: Sequence[dict[str, int]]) -> str:
+    """Recommendations by action and refusals by reason, summed over the seeds."""
+    asked: Counter[str] = sum((Counter(r) for r in recommended), Counter())
+    no: Counter[str] = sum((Counter(r) for r in refused), Counter())
+    text = ", ".join(f"{k} {v}" for k, v in sorted(asked.items()))
+    if no:
+        text += " (" + ", ".join(f"{k} {v}" for k, v in sorted(no.items())) + ")"
+    return text
+
+
+def _s(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}"  # NaN: no answered request
+
+
+def _pct(value: float) -> str:
+    return "-" if value != value else f"{value * 100:.1f}"
+
+
+def report(results: dict[str, dict], families: dict[str, str], command: str, took: float) -> str:
+    lines = [
+        f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on {machine()}, "
+        f"{took:.0f} s wall: `{command}`.",
+        "",
+        "Each scenario's cards, workers, pools, traffic, events and server weights are the static "
+        "baseline; the policy replaces its balance algorithm (`gpubalance bench loop`). "
+        "`controller` is leastconn with the analyzer (queue baseline, capacity-model "
+        "recommender) and the controller acting once per 30 s window, at the controller's "
+        "default guardrails except the breaker (every server may change: a re-weighting "
+        "moves them all, and the benchmark has no person to re-arm it). Latency: arrival to "
+        "answer of the answered requests, in seconds, per class where a scenario has two; "
+        "IWQ: idle-while-queued over the run, %; spread: largest minus smallest GPU's mean "
+        "utilization, %; failed: rejected, out of KV memory or lost to a crash; recommended: "
+        "the analyzer's recommendations by action over the run (in brackets the controller's "
+        "refusals by reason: `unsupported_action` is one it does not carry out); actions: "
+        "applied by the controller (`set_weight`, `drain`, `maint`, `ready`), max/freeze: the "
+        "most actions one server took within one 60 s freeze. Medians over the seeds, except "
+        "recommended and refused: totals over the seeds.",
+        "",
+        "| family | scenario | policy | p50 | p99 | p99 by class | IWQ | spread | failed | "
+        "recommended (refused) | actions | max/freeze |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_policy in results.items():
+        for policy, runs in by_policy.items():
+            classes = [c for c in runs[0].latency if c != ALL]
+            by_class = (
+                ", ".join(f"{c} {_s(median(runs, lambda r, c=c: p99(r, c)))}" for c in classes)
+                if len(classes) > 1
+                else ""
+            )
+            actions: dict[str, float] = {}
+            for kind in sorted({k for r in runs for k in r.actions}):
+                actions[kind] = statistics.median(r.actions.get(kind, 0) for r in runs)
+            acted = ", ".join(f"{k} {v:g}" for k, v in actions.items())
+            most = f"{median(runs, lambda r: r.max_actions_per_freeze):g}"
+            asked = _tally([r.recommended for r in runs], [r.refused for r in runs])
+            if policy != "controller":
+                acted = most = asked = ""
+            lines.append(
+                f"| {families[name]} | {name} | {policy} "
+                f"| {_s(median(runs, lambda r: r.latency[ALL].p50_seconds))} "
+                f"| {_s(median(runs, p99))} | {by_class} "
+                f"| {_pct(median(runs, lambda r: r.idle_while_queued_ratio))} "
+                f"| {_pct(median(runs, lambda r: r.utilization_spread_ratio))} "
+                f"| {median(runs, lambda r: r.failed):g} "
+                f"| {asked} | {acted} | {most} |"
+            )
+    lines += [
+        "",
+        "p99 ratios (issue 9's Done-when: controller/oracle ≤ 1.25, round_robin/controller ≥ 3):",
+        "",
+    ]
+    lines += [
+        "| scenario | controller / oracle | round_robin / controller | controller / leastconn |"
+    ]
+    lines += ["|---|---|---|---|"]
+    for name, by_policy in results.items():
+        c = median(by_policy["controller"], p99)
+        lines.append(
+            f"| {name} | {c / median(by_policy['oracle'], p99):.2f} "
+            f"| {median(by_policy['round_robin'], p99) / c:.2f} "
+            f"| {c / median(by_policy['leastconn'], p99):.2f} |"
+        )
+    lines += [
+        "",
+        "Reading it: the controller runs over leastconn, so its own effect is the last column; "
+        "where the analyzer recommends nothing the controller can carry out (see "
+        "`recommended`), its row is leastconn's. sticky-sessions-skew's skew comes from its "
+        "hash policy (`sticky`), which every policy here replaces, so its rows show no skew "
+        "left to fix. Idle-while-queued counts a GPU's unfilled batch slots as idle while a "
+        "peer holds half a batch waiting, so it is not 0 even behind the oracle's central "
+        "queue: a worker takes up to a batch from it, which waits at the worker while the "
+        "batch before runs.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(POLICIES)
+    for i, policy in enumerate(POLICIES):
+        values = [median(results[n][policy], p99) for n in names]
+        ax.bar([k + i * width for k in range(len(names))], values, width, label=policy)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))])
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("p99 latency, s (log)")
+    ax.set_title("Closed loop at the fast speed: p99 latency by policy (median over seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(BENCH / "loop.png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per scenario and policy")
+    parser.add_argument("--duration", type=float, help="default: each scenario's own")
+    parser.add_argument(
+        "--scenario", nargs="+", metavar="NAME", help="default: one or two per family"
+    )
+    args = parser.parse_args()
+    families = dict((name, family) for family, name in FAMILIES)
+    names = args.scenario or [name for _, name in FAMILIES]
+    for name in names:
+        families.setdefault(name, "")
+    started = time.monotonic()
+    results = run_all(names, args.seeds, args.duration)
+    splits = run_splits(args.seeds) if SHIFT in names and args.duration is None else {}
+    took = time.monotonic() - started
+    command = "python bench/loop.py " + " ".join(sys.argv[1:])
+    text = "\n".join([report(results, families, command.strip(), took), *split_report(splits)])
+    write_section(
+        "loop",
+        "Closed loop: balancing policies at the fast speed",
+        text + "\n\n![p99 by policy](loop.png)\n",
+    )
+    plot(results)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

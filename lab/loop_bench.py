@@ -1,0 +1,395 @@
+"""`gpubalance bench loop`: one scenario under one balancing policy at the fast speed, closed
+loop included, and what it did to latency and to the GPUs.
+
+The scenario's cards, workers, pools, traffic, events and server weights are the static
+baseline; the policy replaces only its balance algorithm, as `balance` does in HAProxy (and
+under the controller, the weights are its own: the scenario's `router` events, a person
+changing them, are left out):
+
+- `round_robin`: HAProxy's roundrobin, by the servers' weights;
+- `leastconn`: fewest requests in flight per unit of weight;
+- `random2`: the fewer in flight of two random servers;
+- `controller`: leastconn, with the analyzer and the controller acting on it every analysis
+  window (`gpubalance.lab.control`);
+- `oracle`: one central queue per pool that every worker pulls from when it has room.
+
+Figures: p50 and p99 latency (arrival to answer, answered requests) per traffic class and
+overall; requests failed (rejected, out of KV memory, lost to a crash); idle-while-queued over
+the run (`analyzer.verdict.idle_while_queued_ratio`); utilization spread (the largest minus the
+smallest GPU's mean utilization); the controller's actions by kind, and the most actions any
+one server took within one freeze period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpubalance.arguments import seconds, seed
+
+if TYPE_CHECKING:  # the modules load when a run needs them: `gpubalance --help` stays quick
+    from gpubalance.analyzer.verdict import Classifier
+    from gpubalance.controller.model import Settings
+    from gpubalance.lab.fast import RunResult
+    from gpubalance.lab.scenario import Plan
+    from gpubalance.telemetry import Sample
+
+POLICIES: dict[str, str] = {
+    "round_robin": "weighted_round_robin",
+    "leastconn": "least_connections",
+    "random2": "random_of_2",
+    "controller": "least_connections",
+    "oracle": "pooled",
+}
+ALL = "all"  # the latency row over every class
+REFUSED = frozenset({"rejected", "waiting", "failed"})  # the audit log's refusals
+
+
+class BenchError(Exception):
+    """A scenario, policy or model that cannot be used: exit code 2 with the message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    requests: int  # answered
+    p50_seconds: float | None
+    p99_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoopResult:
+    scenario: str
+    policy: str
+    seed: int
+    duration_seconds: float
+    requests: int
+    failed: int
+    latency: dict[str, Latency]  # per traffic class, and ALL
+    idle_while_queued_ratio: float | None
+    utilization_spread_ratio: float | None
+    actions: dict[str, int] = field(default_factory=dict)  # applied, by action
+    # the analyzer's recommendations over the run, by action, and the controller's refusals
+    # of them, by reason (each recommendation and reason once)
+    recommended: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    max_actions_per_freeze: int = 0  # on any one server within freeze_seconds
+    passes: int = 0
+
+
+def bench_settings(window_seconds: float) -> Settings:
+    """The controller's settings in the benchmark: its defaults, acting, one pass a window.
+
+    The breaker is the exception: a re-weighting moves every server of a pool, which the
+    default breaker (half the servers within 5 minutes) stops for a person to re-arm; the
+    benchmark has no person, so it counts every server."""
+    from gpubalance.controller.model import Settings
+
+    return Settings(act=True, interval_seconds=window_seconds, breaker_share=1.0)
+
+
+def bench_plan(plan: Plan, policy: str) -> Plan:
+    """The scenario's plan with the policy's balance algorithm and HAProxy's whole weights."""
+    from gpubalance.lab.control import haproxy_weight
+
+    if policy not in POLICIES:
+        raise BenchError(f"--policy {policy!r}: unknown; one of {', '.join(POLICIES)}")
+    router = plan.scenario.router
+    weights = {w.name: float(haproxy_weight(router.weights.get(w.name, 1.0))) for w in plan.workers}
+    changed: dict[str, Any] = {
+        "router": router.model_copy(update={"policy": POLICIES[policy], "weights": weights})
+    }
+    if policy == "controller":
+        # the weights are the controller's: a person's change of them (a `router` event) is
+        # left out, as gpubalance.lab.apply leaves those after the time it applies at
+        changed["events"] = [e for e in plan.scenario.events if e.router is None]
+    return dataclasses.replace(plan, scenario=plan.scenario.model_copy(update=changed))
+
+
+def run_policy(
+    plan: Plan,
+    policy: str,
+    seed_value: int,
+    duration_seconds: float,
+    classifier: Classifier | None = None,
+    *,
+    settings: Settings | None = None,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> LoopResult:
+    """Run ``plan`` under ``policy``; ``classifier`` judges for the controller (default the
+    analyzer's default, the queue baseline)."""
+    from gpubalance.analyzer.baselines import CLASSIFIERS
+    from gpubalance.lab import traffic
+    from gpubalance.lab.control import closed_loop
+    from gpubalance.lab.fast import FastRun
+
+    changed = bench_plan(plan, policy)
+    scenario = changed.scenario
+    requests = traffic.generate(scenario.traffic, duration_seconds, seed_value)
+    run = FastRun(changed, requests, seed_value, duration_seconds, on_sample)
+    run.start()
+    audit: list[dict[str, Any]] = []
+    passes = 0
+    recommended: dict[str, str] = {}
+    if policy == "controller":
+        settings = settings or bench_settings(scenario.truth_window_seconds)
+        with tempfile.TemporaryDirectory(prefix="gpubalance-loop-") as tmp:
+            loop = closed_loop(
+                run, classifier or CLASSIFIERS["baseline-queue"](), settings, Path(tmp) / "a.log"
+            )
+            loop.run_to_end()
+            loop.controller.audit.close()
+            audit = loop.controller.audit.entries()
+            passes = len(loop.reports)
+            recommended = loop.recommended
+    result = run.finish()
+    figures = _figures(changed, policy, seed_value, duration_seconds, result)
+    refused = {
+        (e["recommendation"], str(e["reason"]).split(":")[0])
+        for e in audit
+        if e.get("decision") in REFUSED
+    }
+    applied = [e for e in audit if e.get("decision") == "applied"]
+    return dataclasses.replace(
+        figures,
+        actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
+        recommended=dict(sorted(Counter(recommended.values()).items())),
+        refused=dict(sorted(Counter(reason for _, reason in refused).items())),
+        max_actions_per_freeze=_most_per_freeze(applied, settings),
+        passes=passes,
+    )
+
+
+def _figures(
+    plan: Plan, policy: str, seed_value: int, duration: float, result: RunResult
+) -> LoopResult:
+    """What the run's requests and telemetry say, whoever balanced it."""
+    from gpubalance.analyzer.features import FeatureBuilder
+    from gpubalance.analyzer.frames import frames_from_samples
+    from gpubalance.analyzer.verdict import idle_while_queued_ratio
+    from gpubalance.lab.fast import ORIGIN_SECONDS
+
+    scenario = plan.scenario
+    answered: dict[str, list[float]] = {}
+    for record in result.records:
+        if record.outcome == "ok":
+            seconds_taken = record.end_seconds - record.arrival_seconds
+            answered.setdefault(record.service_class, []).append(seconds_taken)
+            answered.setdefault(ALL, []).append(seconds_taken)
+    classes = sorted({t.service_class for t in scenario.traffic})
+    latency = {c: _latency(answered.get(c, [])) for c in [*classes, ALL]}
+    frames = list(
+        frames_from_samples(
+            result.samples,
+            window_seconds=scenario.truth_window_seconds,
+            interval_seconds=scenario.interval_seconds,
+            origin=ORIGIN_SECONDS,
+        )
+    )
+    table = FeatureBuilder().transform(frames) if frames else None
+    per_gpu: dict[int, list[float]] = {}
+    for frame in frames:
+        if frame.utilization_mean_ratio is not None:
+            per_gpu.setdefault(frame.gpu, []).append(frame.utilization_mean_ratio)
+    means = [statistics.fmean(v) for v in per_gpu.values()]
+    return LoopResult(
+        scenario=scenario.name,
+        policy=policy,
+        seed=seed_value,
+        duration_seconds=duration,
+        requests=len(result.records),
+        failed=sum(1 for r in result.records if r.outcome != "ok"),
+        latency=latency,
+        idle_while_queued_ratio=None if table is None else idle_while_queued_ratio(table),
+        utilization_spread_ratio=max(means) - min(means) if means else None,
+    )
+
+
+def _latency(values: list[float]) -> Latency:
+    if not values:
+        return Latency(0, None, None)
+    p50, p99 = np.percentile(np.asarray(values), [50, 99])
+    return Latency(len(values), float(p50), float(p99))
+
+
+def _most_per_freeze(applied: Sequence[dict[str, Any]], settings: Settings | None) -> int:
+    """The most actions one server took within any one freeze period."""
+    if not applied or settings is None:
+        return 0
+    freeze = settings.freeze_seconds
+    by_target: dict[str, list[float]] = {}
+    for entry in applied:
+        by_target.setdefault(str(entry["target"]), []).append(float(entry["at_seconds"]))
+    most = 0
+    for times in by_target.values():
+        times.sort()
+        for i, t in enumerate(times):
+            most = max(most, sum(1 for u in times[i:] if u - t < freeze))
+    return most
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """`gpubalance bench` itself has only its subcommands."""
+    parser.description = (
+        "Benchmarks on the lab. `gpubalance bench loop`: one scenario under one balancing "
+        "policy at the fast speed, the controller's closed loop included."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    print("gpubalance bench: name a benchmark: loop (see gpubalance bench --help)", file=sys.stderr)
+    return 2
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    loop = sub.add_parser(
+        "loop",
+        help="one scenario under one balancing policy, closed loop included, at the fast speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    loop.add_argument(
+        "--scenario",
+        required=True,
+        metavar="SCENARIO_OR_FILE",
+        help="a shipped scenario's name (see `gpubalance lab list`) or a YAML file",
+    )
+    loop.add_argument("--policy", required=True, metavar="POLICY", help=", ".join(POLICIES))
+    loop.add_argument("--seed", type=seed, metavar="N", help="default: the scenario's seed")
+    loop.add_argument(
+        "--duration",
+        type=seconds,
+        metavar="SECONDS",
+        help="simulated seconds (default: the scenario's duration_seconds)",
+    )
+    loop.add_argument(
+        "--model",
+        type=Path,
+        metavar="FILE",
+        help="the controller's analyzer judges with this trained model (default: the queue "
+        "baseline, the analyzer's default)",
+    )
+    loop.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    loop.set_defaults(_run=_run_loop)
+
+
+def _run_loop(args: argparse.Namespace) -> int:
+    try:
+        plan, classifier = _inputs(args)
+    except BenchError as exc:
+        print(f"gpubalance bench loop: {exc}", file=sys.stderr)
+        return 2
+    duration = plan.scenario.duration_seconds if args.duration is None else args.duration
+    seed_value = plan.scenario.seed if args.seed is None else args.seed
+    with _progress(duration, plan.scenario.interval_seconds) as on_sample:
+        result = run_policy(
+            plan, args.policy, seed_value, duration, classifier, on_sample=on_sample
+        )
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), sort_keys=True))
+    else:
+        print(format_result(result))
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(duration: float, interval: float) -> Iterator[Callable[[Sample], None] | None]:
+    """A bar over simulated time on a terminal's stderr (stdout stays the result); nothing in
+    pipes and CI."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("simulated {task.completed:.0f}/{task.total:.0f} s"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("run", total=duration)
+        start: list[float] = []
+
+        def on_sample(sample: Sample) -> None:
+            if not start:
+                start.append(sample.timestamp_seconds - interval)
+            bar.update(task, completed=sample.timestamp_seconds - start[0])
+
+        yield on_sample
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Plan, Classifier | None]:
+    from gpubalance.config import ConfigError
+    from gpubalance.lab import scenario
+
+    if args.policy not in POLICIES:
+        raise BenchError(f"--policy {args.policy!r}: unknown; one of {', '.join(POLICIES)}")
+    try:
+        plan = scenario.load(args.scenario)
+    except ConfigError as exc:
+        raise BenchError(f"--scenario: {exc}") from None
+    classifier: Classifier | None = None
+    if args.model is not None:
+        from gpubalance.analyzer import model
+
+        if not args.model.is_file():
+            raise BenchError(f"--model {args.model}: no such file")
+        try:
+            classifier = model.load(args.model)
+        except model.ModelError as exc:
+            raise BenchError(f"--model {exc}") from None
+    return plan, classifier
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f} %"
+
+
+def format_result(result: LoopResult) -> str:
+    lines = [
+        f"{result.scenario}, policy {result.policy}, seed {result.seed}, "
+        f"{result.duration_seconds:g} s simulated: {result.requests} requests, "
+        f"{result.failed} failed",
+        f"{'class':16} {'answered':>9} {'p50':>10} {'p99':>10}",
+    ]
+    for name, figures in result.latency.items():
+        lines.append(
+            f"{name:16} {figures.requests:>9} {_ms(figures.p50_seconds):>10} "
+            f"{_ms(figures.p99_seconds):>10}"
+        )
+    actions = ", ".join(f"{k} {v}" for k, v in result.actions.items()) or "none"
+    recommended = ", ".join(f"{k} {v}" for k, v in result.recommended.items()) or "none"
+    refused = ", ".join(f"{k} {v}" for k, v in result.refused.items()) or "none"
+    lines += [
+        f"idle while queued {_pct(result.idle_while_queued_ratio)}, utilization spread "
+        f"{_pct(result.utilization_spread_ratio)}",
+    ]
+    if result.policy == "controller":
+        lines += [
+            f"recommended: {recommended}; refused or waiting: {refused}",
+            f"actions: {actions} (at most {result.max_actions_per_freeze} on one server per "
+            "freeze)",
+        ]
+    else:
+        lines.append("actions: none (no controller)")
+    return "\n".join(lines)
