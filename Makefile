@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
-SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl chromium:chromium
+SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl chromium:chromium amtool:prometheus-alertmanager
 FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`
 N ?= 5

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "exporter": ("gpubalance.exporter.cli", "run the host exporter (NVML, /proc, serving signals)"),
     "top": ("gpubalance.exporter.top", "live terminal view of an exporter's GPUs"),
     "lab": ("gpubalance.lab.cli", "the GPU-free lab: fake NVML driver, scenarios, demo"),
+    "docs": ("gpubalance.metrics_reference", "write the metrics reference (docs/metrics.md)"),
     "diagnose": ("gpubalance.analyzer.cli", "each GPU starved, overloaded or balanced, and why"),
     "controller": ("gpubalance.controller.cli", "act on recommendations through HAProxy, safely"),
     "analyzer": ("gpubalance.analyzer.server", "verdicts and recommendations over HTTP; training"),
