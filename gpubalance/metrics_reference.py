@@ -153,7 +153,7 @@ def _value(hint: Any, overrides: Mapping[str, Any]) -> Any:
 
 def exporter_metrics() -> list[MetricDoc]:
     from gpubalance.exporter.collectors.gpu import THROTTLE_REASONS
-    from gpubalance.exporter.exposition import render
+    from gpubalance.exporter.exposition.profiles import render
     from gpubalance.exporter.view import View
 
     # one real reason: the DCGM profile turns the reasons into NVML's bit mask

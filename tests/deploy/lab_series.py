@@ -40,7 +40,7 @@ from gpubalance.analyzer.server import AnalyzerCollector
 from gpubalance.analyzer.service import AnalyzerService
 from gpubalance.analyzer.sources import open_source
 from gpubalance.controller.metrics import SOURCES, Metrics
-from gpubalance.exporter.exposition import render
+from gpubalance.exporter.exposition.profiles import render
 from gpubalance.exporter.view import View
 from gpubalance.snapshot import from_json
 
