@@ -49,7 +49,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 test: venv system-deps fakenvml lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=15
 
 # the tests that run on real clocks, N rounds of all of them: counts how often each passes
 test-repeat: venv system-deps fakenvml
