@@ -38,7 +38,7 @@ def test_a_hundred_moves_under_steady_load_lose_no_request(tmp_path: Path) -> No
     async def scenario() -> None:
         workers = workers_config(tmp_path / "state", load_seconds=0.05)
         settings = replace(
-            FAST, drain_timeout_seconds=10.0, interval_seconds=0.1, max_actions_per_hour=1000
+            FAST, drain_timeout_seconds=10.0, interval_seconds=0.05, max_actions_per_hour=1000
         )
         async with (
             aiohttp.ClientSession() as http,
