@@ -9,6 +9,8 @@ SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl chrom
 FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`
 N ?= 5
+# pytest-xdist workers of `make test` (the CI machine has 2 cores)
+TEST_JOBS ?= 2
 # `make eval`: variants per scenario family; GENTD: the Alibaba GenTD26 folder, to check on it too
 EVAL_COUNT ?= 3
 GENTD ?=
@@ -49,7 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 test: venv system-deps fakenvml lint
-	$(VENV)/bin/pytest -q --durations=15
+	$(VENV)/bin/pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=15
 
 # the tests that run on real clocks, N rounds of all of them: counts how often each passes
 test-repeat: venv system-deps fakenvml

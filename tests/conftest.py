@@ -66,3 +66,14 @@ def nvml(fakenvml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     yield FakeNvml(state_path=state_path, lib=lib)
     with contextlib.suppress(pynvml.NVMLError_Uninitialized):  # the test shut down itself
         pynvml.nvmlShutdown()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for `pytest -n 2 --dist loadgroup` (make test): the tests on real clocks (live lab
+    runs, real HAProxy processes) run one after another on one worker, as they would alone,
+    while the other worker takes the rest file by file (a file's module fixtures built once)."""
+    for item in items:
+        on_the_clock = item.get_closest_marker("live") or item.get_closest_marker("haproxy")
+        group = "real-clock" if on_the_clock else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -200,8 +200,14 @@ def test_the_table_reads_plainly_in_a_pipe(run_dir: Path) -> None:
 
 
 def test_the_table_prints_names_as_they_are(
-    csv_dir: Path, tmp_path: Path, diagnose: Callable[..., Result]
+    csv_dir: Path,
+    tmp_path: Path,
+    diagnose: Callable[..., Result],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # a pipe's table is 80 columns wide, and a long temporary path would wrap: widen it so that
+    # the line is the name as given
+    monkeypatch.setenv("COLUMNS", "400")
     odd = tmp_path / "[bold]run"  # a host named like rich markup stays a name
     odd.mkdir()
     shutil.copy(csv_dir / "frames.csv", odd / "frames.csv")
@@ -297,6 +303,8 @@ def _exporter(env: dict[str, str], tmp_path: Path) -> RunningExporter:
                 "gpubalance",
                 "exporter",
                 "--listen",
+                "127.0.0.1:0",
+                "--otlp-listen",  # never OTLP's fixed 4318: tests run side by side
                 "127.0.0.1:0",
                 "--interval",
                 "0.2",

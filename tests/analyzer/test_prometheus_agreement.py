@@ -45,6 +45,7 @@ from gpubalance.lab import scenario, traffic
 from gpubalance.lab.live.run import LiveLab, free_port
 
 pytestmark = [
+    pytest.mark.live,  # a live lab run, scraped by the exporter and a real Prometheus
     pytest.mark.skipif(
         shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(),
         reason="HAProxy: sudo apt-get install haproxy",

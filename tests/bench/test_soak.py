@@ -55,6 +55,7 @@ def test_fit_sees_a_slow_leak_through_noise_and_ignores_one_spike() -> None:
     assert abs(steady.growth) / MIB < 0.8
 
 
+@pytest.mark.timing  # two minutes of real churn, sampled on the clock
 @pytest.mark.timeout(600)
 def test_two_minute_soak_grows_nothing(fakenvml_dir: Path, tmp_path: Path) -> None:
     report_path = tmp_path / "soak.json"

@@ -311,6 +311,8 @@ def test_port_in_use_is_one_line_and_exit_2(fakenvml_env, tmp_path: Path) -> Non
                 "exporter",
                 "--listen",
                 f"127.0.0.1:{port}",
+                "--otlp-listen",  # never OTLP's fixed 4318: tests run side by side
+                "127.0.0.1:0",
                 "--log-level",
                 "error",
             ],

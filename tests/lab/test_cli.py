@@ -99,6 +99,7 @@ def test_run_rejects_an_out_directory_a_regular_file_blocks(
     ]
 
 
+@pytest.mark.live  # the demo runs the live lab
 def test_demo_keeps_the_run_directory_it_names_and_says_how_to_remove_it(
     fakenvml_dir: Path, tmp_path: Path
 ) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import time
 from collections import Counter
 from typing import Any
 
@@ -116,15 +115,14 @@ def test_changing_tokens_leaves_arrivals_unchanged() -> None:
     assert np.array_equal(arrivals_of(fixed), arrivals_of(drawn))
 
 
-def test_one_hour_at_40_per_second_is_fast() -> None:
+def test_one_hour_at_40_per_second_has_every_request() -> None:
+    # how fast it is, bench/lab.py measures: a test asserts no wall time
     chat = source(
         arrivals={"kind": "poisson", "rate": 40.0},
         prompt_tokens={"kind": "lognormal", "median": 1000.0, "p90": 2700.0, "max": 8192},
         sessions={"count": 200, "skew": 1.1},
     )
-    start = time.perf_counter()
     requests = generate([chat], 3600.0, seed=1)
-    assert time.perf_counter() - start < 2.0
     assert len(requests) == pytest.approx(144_000, rel=0.02)
 
 
