@@ -57,7 +57,7 @@ class AuditLog:
     def applied_since(self, since_seconds: float) -> list[Applied]:
         fields = ("at_seconds", "target", "recommendation", "action")
         return [
-            Applied(*(e[f] for f in fields))
+            Applied(*(e[f] for f in fields), e["before"] if _whole(e.get("before")) else None)
             for e in self.entries()
             if e.get("decision") == "applied"
             and all(f in e for f in fields)
@@ -79,3 +79,7 @@ class AuditLog:
             if e.get("decision") in ("breaker_tripped", "rearmed")
         ]
         return bool(last) and last[-1] == "breaker_tripped"
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

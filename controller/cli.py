@@ -93,6 +93,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--drain-timeout", type=float, default=d.drain_timeout_seconds)
     limits.add_argument("--breaker-share", type=float, default=d.breaker_share)
     limits.add_argument("--breaker-window", type=float, default=d.breaker_window_seconds)
+    limits.add_argument(
+        "--breaker-weight-share",
+        type=float,
+        default=d.breaker_weight_share,
+        help="a re-weighted server counts for the breaker once its share of the backend's "
+        "weight moved by more than this",
+    )
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_seconds=args.drain_timeout,
             breaker_share=args.breaker_share,
             breaker_window_seconds=args.breaker_window,
+            breaker_weight_share=args.breaker_weight_share,
         )
         token = _token(args.token_file)
         workers = _workers(args.config)

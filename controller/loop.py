@@ -311,7 +311,10 @@ class Controller:
             self.audit.record(now, "failed", reason=str(exc), **fields)
             log.error("%s failed: %s", _describe(change), exc)
             return False
-        self.history.append(Applied(now, change.key, change.recommendation_id, change.action))
+        before = change.before if isinstance(change.before, int) else None
+        self.history.append(
+            Applied(now, change.key, change.recommendation_id, change.action, before)
+        )
         self.metrics.actions.labels(change.action, "applied").inc()
         self.audit.record(now, "applied", reason=self.actuator.name, **fields)
         log.info("%s (%s)", _describe(change), change.recommendation_id)

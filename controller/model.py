@@ -158,6 +158,7 @@ class Applied:
     key: str  # backend/server
     recommendation_id: str
     action: str  # Change.action
+    before: int | None = None  # a set_weight's weight before it, which the breaker compares
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,9 @@ class Settings:
     drain_timeout_seconds: float = 120.0  # sessions must reach 0 before maint
     breaker_share: float = 0.5  # trips when more than this share of servers changed ...
     breaker_window_seconds: float = 300.0  # ... within this period
+    # a re-weighting keeps a server serving: it counts as a change for the breaker only once
+    # the server's share of its backend's weight moved by more than this within the period
+    breaker_weight_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.interval_seconds <= 0:
@@ -195,6 +199,8 @@ class Settings:
             raise ValueError(f"dwell {self.dwell_cycles} cycles must be at least 1")
         if not 0 < self.breaker_share <= 1:
             raise ValueError(f"breaker share {self.breaker_share} is outside (0, 1]")
+        if not 0 <= self.breaker_weight_share <= 1:
+            raise ValueError(f"breaker weight share {self.breaker_weight_share} is outside [0, 1]")
         for name in ("max_age_seconds", "freeze_seconds", "drain_timeout_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must not be negative")

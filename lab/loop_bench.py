@@ -89,14 +89,10 @@ class LoopResult:
 
 
 def bench_settings(window_seconds: float) -> Settings:
-    """The controller's settings in the benchmark: its defaults, acting, one pass a window.
-
-    The breaker is the exception: a re-weighting moves every server of a pool, which the
-    default breaker (half the servers within 5 minutes) stops for a person to re-arm; the
-    benchmark has no person, so it counts every server."""
+    """The controller's settings in the benchmark: its defaults, acting, one pass a window."""
     from gpubalance.controller.model import Settings
 
-    return Settings(act=True, interval_seconds=window_seconds, breaker_share=1.0)
+    return Settings(act=True, interval_seconds=window_seconds)
 
 
 def bench_plan(plan: Plan, policy: str) -> Plan:

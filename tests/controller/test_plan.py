@@ -370,6 +370,40 @@ def test_guard_trips_the_breaker_past_the_share_of_changed_servers() -> None:
     assert [c.key for c in rearmed.allowed] == ["be/s2", "be/s3"] and rearmed.tripped is None
 
 
+def weight(key: str, value: int, before: int, rec_id: str = "r") -> Change:
+    backend, name = key.split("/")
+    return Change("set_weight", backend, name, value, before, rec_id)
+
+
+def test_a_reweighting_that_keeps_every_server_serving_does_not_trip_the_breaker() -> None:
+    # the default target: one server at 10 of 13, three at 1, each re-weighted in steps
+    skewed = observed(server("s0", weight=10), *(server(f"s{i}", weight=1) for i in (1, 2, 3)))
+    steps = [weight(f"be/s{i}", 33, 1) for i in (1, 2, 3)]
+    allowed, refused, tripped = run_guard(steps, skewed)
+    assert allowed == ["be/s1", "be/s2", "be/s3"] and refused == [] and not tripped
+    # the next passes, with those steps in the history: s0's share fell from 77 % to 9 %
+    history = [Applied(NOW - 60, c.key, "r", "set_weight", 1) for c in steps]
+    ramped = observed(server("s0", weight=10), *(server(f"s{i}", weight=33) for i in (1, 2, 3)))
+    more = [weight(f"be/s{i}", 65, 33) for i in (1, 2, 3)]
+    assert run_guard(more, ramped, history)[0] == ["be/s1", "be/s2", "be/s3"]
+
+
+def test_the_breaker_counts_a_reweighting_that_moves_much_of_a_pools_traffic() -> None:
+    history = [Applied(NOW - 100, "be/s0", "x", "drain")]
+    # s1 from a quarter of the pool's weight to 46 %: not yet counted (the drained s0 is)
+    heavy = weight("be/s1", 256, 100)
+    allowed, refused, tripped = run_guard([heavy], FOUR, history)
+    assert allowed == ["be/s1"] and not tripped
+    history.append(Applied(NOW - 50, "be/s1", "r", "set_weight", 100))
+    after = observed(server("s0"), server("s1", weight=256), server("s2"), server("s3"))
+    # s2 to 0 counts as a drain does, and puts s1 at 56 % of the weight: three of four
+    # changed would exceed half
+    allowed, refused, tripped = run_guard([weight("be/s2", 0, 100, "z")], after, history)
+    assert allowed == [] and tripped and refused == [("breaker_open", None)]
+    # a small re-weighting of a server not yet counted does not trip it
+    assert run_guard([weight("be/s2", 80, 100, "z")], after, history)[0] == ["be/s2"]
+
+
 def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
     from gpubalance.controller.actuator import ActuatorError
     from gpubalance.controller.agent import weight_percent

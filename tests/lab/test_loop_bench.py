@@ -151,6 +151,20 @@ def test_the_controller_converges_without_oscillating(tmp_path: Path) -> None:
     assert all(len(set(signs)) == 1 for signs in moves.values()), moves
 
 
+def test_at_the_controllers_defaults_a_reweighting_never_trips_the_breaker(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(act=True, interval_seconds=30.0)
+    _, reports = _default_target(settings, tmp_path, 10)
+    entries = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    assert "breaker_tripped" not in {e["decision"] for e in entries}
+    # every server of the pool re-weighted, toward equal weights
+    assert {e["target"] for e in entries if e["decision"] == "applied"} == {
+        f"be_default/w{i}" for i in range(4)
+    }
+    assert any(r.met for r in reports), [r.refused for r in reports]
+
+
 def test_on_a_skewed_scenario_the_controller_beats_round_robin() -> None:
     plan = scenario.load("default-target")
     rr = run_policy(plan, "round_robin", 3, 300.0)
