@@ -166,7 +166,8 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "recommender) and the controller acting once per 30 s window, at the controller's "
         "default guardrails. Latency: arrival to "
         "answer of the answered requests, in seconds, per class where a scenario has two; "
-        "IWQ: idle-while-queued over the run, %; spread: largest minus smallest GPU's mean "
+        "IWQ: idle-while-queued over the run (the simulator's truth, below), %; spread: "
+        "largest minus smallest GPU's mean "
         "utilization, %; failed: rejected, out of KV memory or lost to a crash; recommended: "
         "the analyzer's recommendations by action over the run (in brackets the controller's "
         "refusals by reason: `unsupported_action` is one it does not carry out); actions: "
@@ -225,10 +226,11 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "where the analyzer recommends nothing the controller can carry out (see "
         "`recommended`), its row is leastconn's. sticky-sessions-skew's skew comes from its "
         "hash policy (`sticky`), which every policy here replaces, so its rows show no skew "
-        "left to fix. Idle-while-queued counts a GPU's unfilled batch slots as idle while a "
-        "peer holds half a batch waiting, so it is not 0 even behind the oracle's central "
-        "queue: a worker takes up to a batch from it, which waits at the worker while the "
-        "batch before runs.",
+        "left to fix. Idle-while-queued is the run's truth from the simulator's timeline: "
+        "the share of GPU-time in which a GPU runs no batch while a request of its pool waits "
+        "in the pool's central queue or behind another GPU's running batch (a request waiting "
+        "for its own idle GPU's batch to fill is batching, not balance); behind the oracle's "
+        "central queue it stays near 0.",
     ]
     return "\n".join(lines)
 

@@ -143,6 +143,10 @@ class FastRun:
             self.pools.setdefault(w.plan.pool, []).append(w)
         self.central: dict[str, deque[Request]] = {p: deque() for p in self.pools}
         self.records: list[RequestRecord] = []
+        # when each request reached its worker, and that worker's batch queue, by id: where it
+        # waited, for the benchmark's idle-while-queued
+        self.admitted_at: dict[int, float] = {}
+        self.queued_at: dict[int, float] = {}
         self.samples: list[Sample] = []
         self.frames: list[dict[str, object]] = []
         self.telemetry = Telemetry(plan, "lab", ORIGIN_SECONDS)
@@ -241,6 +245,7 @@ class FastRun:
         )
 
     def _admit(self, request: Request, worker: WorkerState) -> None:
+        self.admitted_at[request.id] = self.env.now
         worker.in_flight += 1
         cpu = (worker.cpu_ms + worker.cpu_ms_per_1k * request.prompt_tokens / 1000) / 1000
         if cpu > 0 or worker.plan.io_mb_per_request > 0:
@@ -279,6 +284,7 @@ class FastRun:
         self._enqueue(request, worker)
 
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
+        self.queued_at[request.id] = self.env.now
         worker.account_queue(self.env.now)
         worker.queue.append((request, self.env.now))
         if request.service_class in worker.by_class:

@@ -15,9 +15,17 @@ changing them, are left out):
 
 Figures: p50 and p99 latency (arrival to answer, answered requests) per traffic class and
 overall; requests failed (rejected, out of KV memory, lost to a crash); idle-while-queued over
-the run (`analyzer.verdict.idle_while_queued_ratio`); utilization spread (the largest minus the
-smallest GPU's mean utilization); the controller's actions by kind, and the most actions any
-one server took within one freeze period.
+the run (below); utilization spread (the largest minus the smallest GPU's mean utilization);
+the controller's actions by kind, and the most actions any one server took within one freeze
+period.
+
+**Idle-while-queued** is the run's truth, from the simulator's timeline, not the analyzer's
+estimate from window means: the share of the GPUs' time in which a GPU runs no batch while a
+request it could serve (one of its pool's) waits, either in the pool's central queue or in
+another GPU's batch queue behind the batch that GPU runs. A request waiting for its own idle
+GPU's batch to fill, or for a host core before it reaches a batch queue, is batching or the
+host, not balance, and does not count. One central queue keeps it near 0 (only a dispatch that
+hands a worker requests it cannot start at once leaves some).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import statistics
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +50,9 @@ from gpubalance.arguments import seconds, seed
 if TYPE_CHECKING:  # the modules load when a run needs them: `gpubalance --help` stays quick
     from gpubalance.analyzer.verdict import Classifier
     from gpubalance.controller.model import Settings
-    from gpubalance.lab.fast import RunResult
+    from gpubalance.lab.fast import FastRun, RunResult
     from gpubalance.lab.scenario import Plan
+    from gpubalance.lab.workload import RequestRecord
     from gpubalance.telemetry import Sample
 
 POLICIES: dict[str, str] = {
@@ -150,7 +159,7 @@ def run_policy(
             passes = len(loop.reports)
             recommended = loop.recommended
     result = run.finish()
-    figures = _figures(changed, policy, seed_value, duration_seconds, result)
+    figures = _figures(changed, policy, seed_value, duration_seconds, run, result)
     refused = {
         (e["recommendation"], str(e["reason"]).split(":")[0])
         for e in audit
@@ -168,12 +177,10 @@ def run_policy(
 
 
 def _figures(
-    plan: Plan, policy: str, seed_value: int, duration: float, result: RunResult
+    plan: Plan, policy: str, seed_value: int, duration: float, run: FastRun, result: RunResult
 ) -> LoopResult:
     """What the run's requests and telemetry say, whoever balanced it."""
-    from gpubalance.analyzer.features import FeatureBuilder
     from gpubalance.analyzer.frames import frames_from_samples
-    from gpubalance.analyzer.verdict import idle_while_queued_ratio
     from gpubalance.lab.fast import ORIGIN_SECONDS
 
     scenario = plan.scenario
@@ -193,7 +200,6 @@ def _figures(
             origin=ORIGIN_SECONDS,
         )
     )
-    table = FeatureBuilder().transform(frames) if frames else None
     per_gpu: dict[int, list[float]] = {}
     for frame in frames:
         if frame.utilization_mean_ratio is not None:
@@ -207,9 +213,122 @@ def _figures(
         requests=len(result.records),
         failed=sum(1 for r in result.records if r.outcome != "ok"),
         latency=latency,
-        idle_while_queued_ratio=None if table is None else idle_while_queued_ratio(table),
+        idle_while_queued_ratio=run_idle_while_queued(plan, run, result.records),
         utilization_spread_ratio=max(means) - min(means) if means else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A request waiting to be served from `start_seconds` to `end_seconds`."""
+
+    start_seconds: float
+    end_seconds: float
+    pool: str
+    gpu: int | None  # the GPU whose batch queue it waits in; None: the pool's central queue
+
+
+Interval = tuple[float, float]
+
+
+def idle_while_queued(
+    busy: Mapping[int, Sequence[Interval]],
+    waits: Sequence[Wait],
+    pools: Mapping[int, frozenset[str]],
+    duration_seconds: float,
+) -> float | None:
+    """The share of the GPUs' time over [0, duration] in which a GPU ran no batch while a
+    request of one of its pools waited for a GPU: in the pool's queue, or at another GPU while
+    that GPU ran a batch (``busy``: each GPU's batches as (start, end); ``pools``: the pools
+    each GPU serves). None without GPUs or time."""
+    if not pools or duration_seconds <= 0:
+        return None
+    ran = {g: _merged(busy.get(g, ()), duration_seconds) for g in pools}
+    # the stretches of each wait that another GPU could have taken
+    takeable: list[tuple[Wait, list[Interval]]] = []
+    for wait in waits:
+        span = [(wait.start_seconds, wait.end_seconds)]
+        if wait.gpu is not None:
+            span = _intersect(_merged(span, duration_seconds), ran.get(wait.gpu, []))
+        takeable.append((wait, _merged(span, duration_seconds)))
+    idle = 0.0
+    for gpu, served in pools.items():
+        waiting = _merged(
+            [
+                piece
+                for wait, pieces in takeable
+                if wait.pool in served and wait.gpu != gpu
+                for piece in pieces
+            ],
+            duration_seconds,
+        )
+        idle += _length(waiting) - _length(_intersect(waiting, ran[gpu]))
+    return idle / (len(pools) * duration_seconds)
+
+
+def _merged(intervals: Iterable[Interval], duration: float) -> list[Interval]:
+    """Sorted, disjoint, within [0, duration]."""
+    out: list[Interval] = []
+    for start, end in sorted((max(0.0, a), min(duration, b)) for a, b in intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """Of two merged lists."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: Sequence[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def run_idle_while_queued(
+    plan: Plan, run: FastRun, records: Sequence[RequestRecord]
+) -> float | None:
+    """:func:`idle_while_queued` of a finished fast-speed run, from its requests' timeline."""
+    batches: dict[tuple[int, float], float] = {}  # a batch, (gpu, start): its longest request
+    waits: list[Wait] = []
+    for r in records:
+        pool = plan.pool_of(r.service_class)
+        if r.outcome == "ok" and r.gpu is not None and r.start_seconds is not None:
+            key = (r.gpu, r.start_seconds)
+            batches[key] = max(batches.get(key, r.start_seconds), r.end_seconds or 0.0)
+        admitted = run.admitted_at.get(r.id)
+        # in the pool's queue until a worker took it (at once, but behind the oracle's queue)
+        pool_end = admitted if admitted is not None else r.end_seconds
+        if pool_end is not None and pool_end > r.arrival_seconds:
+            waits.append(Wait(r.arrival_seconds, pool_end, pool, None))
+        queued = run.queued_at.get(r.id)
+        # then in its worker's batch queue until its batch began (or it ran out of KV memory);
+        # a request a crash failed may have been running, and is left out
+        served = (
+            r.start_seconds if r.outcome == "ok" else r.end_seconds if r.outcome == "oom" else None
+        )
+        if queued is not None and served is not None and r.gpu is not None:
+            waits.append(Wait(queued, served, pool, r.gpu))
+    busy: dict[int, list[Interval]] = {}
+    for (gpu, start), end in batches.items():
+        busy.setdefault(gpu, []).append((start, end))
+    pools: dict[int, frozenset[str]] = {}
+    for w in plan.workers:
+        pools[w.gpu] = pools.get(w.gpu, frozenset()) | {w.pool}
+    return idle_while_queued(busy, waits, pools, run.duration)
 
 
 def _latency(values: list[float]) -> Latency:

@@ -19,7 +19,13 @@ from gpubalance.controller.model import Change, Settings, observed_from
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer, closed_loop
 from gpubalance.lab.fast import FastRun
-from gpubalance.lab.loop_bench import bench_plan, bench_settings, run_policy
+from gpubalance.lab.loop_bench import (
+    Wait,
+    bench_plan,
+    bench_settings,
+    idle_while_queued,
+    run_policy,
+)
 
 TWO_CARDS = """\
 name: two-cards
@@ -179,6 +185,37 @@ def test_on_a_balanced_scenario_the_controller_does_nothing() -> None:
     result = run_policy(scenario.load("balanced-heterogeneous"), "controller", 1, 240.0)
     assert result.passes == 8
     assert result.actions == {}
+
+
+def test_idle_while_queued_counts_a_gpu_idle_while_work_it_could_take_waits() -> None:
+    # GPU 0 serves pools p and q, GPU 1 only p; ten seconds
+    busy = {0: [(0.0, 4.0), (4.0, 8.0)], 1: [(0.0, 2.0)]}
+    waits = [
+        Wait(1.0, 4.0, "p", 0),  # behind GPU 0's batch: GPU 1 idles for it from 2 to 4
+        Wait(6.0, 7.0, "p", 1),  # GPU 1 idle itself, filling a batch: batching, not balance
+        Wait(5.0, 6.0, "q", 0),  # GPU 1 cannot serve pool q
+        Wait(8.5, 9.5, "p", None),  # the pool's queue with both idle: each counts 1 s
+    ]
+    pools = {0: frozenset({"p", "q"}), 1: frozenset({"p"})}
+    assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx((2 + 1 + 1) / 20)
+    # waits that overlap count their time once; time past the run does not count
+    assert idle_while_queued(
+        busy,
+        [Wait(1.0, 4.0, "p", 0), Wait(3.0, 4.0, "p", 0), Wait(9.0, 12.0, "p", None)],
+        pools,
+        10.0,
+    ) == pytest.approx((2 + 1 + 1) / 20)
+    assert idle_while_queued(busy, waits, {}, 10.0) is None
+
+
+def test_behind_one_central_queue_no_gpu_idles_while_work_waits() -> None:
+    plan = scenario.load("skewed-heterogeneous")
+    oracle = run_policy(plan, "oracle", 1, 300.0)
+    rr = run_policy(plan, "round_robin", 1, 300.0)
+    assert oracle.idle_while_queued_ratio is not None and rr.idle_while_queued_ratio is not None
+    assert oracle.idle_while_queued_ratio <= 0.02
+    # weighted round robin holds work at the default target while the peers idle
+    assert rr.idle_while_queued_ratio > 0.1
 
 
 def test_bench_loop_prints_one_json_object(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
