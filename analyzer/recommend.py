@@ -346,7 +346,11 @@ class _Pool:
         takers = self._held_where("starved", TAKES_WORK)
         short = self._held_where("overloaded", {"capacity_shortage"})
         fleet_short = self.fleet is not None and self.fleet.kind == "capacity_shortage"
-        if not over and not (takers and self._held_where("overloaded")):
+        # GPUs starved because the routing sends them too little say the others get too much,
+        # before any of those is judged overloaded (its queue still building): the capacity
+        # model's gain below decides whether other weights help
+        skewed = self._held_where("starved", {"routing_skew"})
+        if not over and not (takers and self._held_where("overloaded")) and not skewed:
             return None
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
@@ -355,9 +359,12 @@ class _Pool:
         # capacity bounds adds up to
         if (pool_rho >= 1.0 and not takers) or (fleet_short and short):
             return self._scale_out(over or short, pool_rho)
-        hot = [h.verdict.gpu for h in over] or [
-            h.verdict.gpu for h in self._held_where("overloaded")
-        ]
+        starved = {h.verdict.gpu for h in takers}
+        hot = (
+            [h.verdict.gpu for h in over]
+            or [h.verdict.gpu for h in self._held_where("overloaded")]
+            or [g for g in sorted(self.measured) if g not in starved]
+        )
         if not self.measured & set(hot):
             return None  # how much the hot GPUs serve is unmeasured: no weight would be fair
         weights = self._capacity_weights()

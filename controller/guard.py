@@ -3,10 +3,11 @@
 Pure, like `plan`: it reads the changes, HAProxy's state, the changes already applied (from the
 audit log after a restart) and how many passes saw each recommendation. In order, a change
 waits while the controller is paused or its breaker is open, until its recommendation has been
-seen in `dwell_cycles` passes, while its server is frozen after another recommendation's change
-(`freeze_seconds`; one recommendation's own steps, a weight ramp or drain-then-maint, continue),
-and once `max_actions_per_hour` are spent. It is refused when it would leave a backend that
-serves with no server serving (the last ready, up, weighted server). The breaker trips when a
+seen in `dwell_cycles` passes (the loop counts a pass for each interval its evidence held),
+while its server is frozen after another recommendation's change (`freeze_seconds`; one
+recommendation's own steps, a weight ramp or drain-then-maint, continue), and once
+`max_actions_per_hour` are spent. It is refused when it would leave a backend that serves with
+no server serving (the last ready, up, weighted server). The breaker trips when a
 change would make more than `breaker_share` of the managed servers changed within
 `breaker_window_seconds`; a person re-arms it, and the changes before the re-arm no longer
 count. A drain, maint, ready or move changes its server; a re-weighting keeps every server

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -167,7 +168,16 @@ class Controller:
             for r in recommendations
             if r.id not in self._acked and not any(a.by == self.identity for a in r.acks)
         ]
-        self._seen = {r.id: self._seen.get(r.id, 0) + 1 for r in open_recs}
+        # dwell: the passes that saw it, or as many intervals as its evidence has held (the
+        # analyzer dates it from the first of the windows that agree on it): a situation that
+        # already held that long needs no second wait, also after a restart
+        self._seen = {
+            r.id: max(
+                self._seen.get(r.id, 0) + 1,
+                math.floor((now - r.created_seconds) / self.settings.interval_seconds + 1e-9),
+            )
+            for r in open_recs
+        }
         self.history = [a for a in self.history if now - a.at_seconds < self._horizon]
         # with a mover, moves are its own; without one, plan refuses them as unsupported
         moving = self.mover is not None

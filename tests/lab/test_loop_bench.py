@@ -114,10 +114,14 @@ def test_a_drained_worker_takes_no_new_request(tmp_path: Path) -> None:
     assert _served_by(run, "w1", 40.0, 60.0) > 0
 
 
-def _default_target(settings: Settings, tmp_path: Path, passes: int) -> tuple[FastRun, list]:
+def _default_target(
+    settings: Settings, tmp_path: Path, passes: int, seed_value: int = 3, duration: float = 0.0
+) -> tuple[FastRun, list]:
+    """The first ``passes`` passes of a run of ``duration`` (default: as long as they take)."""
     plan = bench_plan(scenario.load("default-target"), "controller")
-    requests = traffic.generate(plan.scenario.traffic, 30.0 * passes, 3)
-    run = FastRun(plan, requests, 3, 30.0 * passes)
+    duration = duration or 30.0 * passes
+    requests = traffic.generate(plan.scenario.traffic, duration, seed_value)
+    run = FastRun(plan, requests, seed_value, duration)
     run.start()
     loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
     for _ in range(passes):
@@ -169,6 +173,16 @@ def test_at_the_controllers_defaults_a_reweighting_never_trips_the_breaker(
         f"be_default/w{i}" for i in range(4)
     }
     assert any(r.met for r in reports), [r.refused for r in reports]
+
+
+def test_the_default_target_is_reweighted_as_soon_as_two_windows_agree(tmp_path: Path) -> None:
+    # seed 4: GPU 0's queue still builds in the first windows, so no GPU is judged overloaded
+    # yet, but its three peers are starved by the routing from the first window on
+    _, reports = _default_target(bench_settings(30.0), tmp_path, 2, seed_value=4, duration=600)
+    assert [r.recommendations for r in reports[:2]] == [0, 1]
+    # the recommendation's windows held two intervals when the pass first saw it: the dwell
+    # is met, and the re-weighting starts in that pass
+    assert len(reports[1].applied) == 4, reports[1].refused
 
 
 def test_on_a_skewed_scenario_the_controller_beats_round_robin() -> None:
