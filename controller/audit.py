@@ -1,9 +1,10 @@
 """The audit log: one JSON line per decision, appended and flushed as it is taken.
 
 Each line holds `at_seconds`, `decision` (applied, dry_run, failed, rejected, waiting, met,
-breaker_tripped, rearmed, paused, resumed; for a worker's move also approved, step, and its
-end: moved, undone, failed, refused), `recommendation`, `target`, `action`, `reason`, `before`
-and `after`; a move's lines name it (`move`) and a step its `phase` (move or undo). It is also
+breaker_tripped, rearmed, paused, resumed, verified, undone; for a worker's move also approved,
+step, and its end: moved, undone, failed, refused), `recommendation`, `target`, `action`,
+`reason`, `before` and `after`; a move's lines name it (`move`) and a step its `phase` (move or
+undo). It is also
 the controller's memory of what it did, which HAProxy cannot show: at start the changes applied
 within the last hour (for the rate limit, the freezes and the breaker) and whether the breaker
 was left open are read back from it.

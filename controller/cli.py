@@ -100,6 +100,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a re-weighted server counts for the breaker once its share of the backend's "
         "weight moved by more than this",
     )
+    limits.add_argument(
+        "--undo-worse-ratio",
+        type=float,
+        default=d.undo_worse_ratio,
+        help="after its freeze, undo a recommendation whose backend's mean time in the system "
+        "grew more than this many times",
+    )
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             breaker_share=args.breaker_share,
             breaker_window_seconds=args.breaker_window,
             breaker_weight_share=args.breaker_weight_share,
+            undo_worse_ratio=args.undo_worse_ratio,
         )
         token = _token(args.token_file)
         workers = _workers(args.config)

@@ -57,6 +57,7 @@ class ObservedServer:
     sessions: int  # requests in flight now
     address: str = ""  # where HAProxy sends its requests
     port: int = 0
+    requests_total: int = 0  # requests served since HAProxy started (stot)
 
     @property
     def key(self) -> str:
@@ -106,6 +107,7 @@ def observed_from(
             # op_state 2 is running; a failing health check shows as DOWN in `show stat`
             up=state.op_state == 2 and not status.startswith("DOWN"),
             sessions=stat.scur if stat is not None else 0,
+            requests_total=stat.stot if stat is not None else 0,
             address=state.address,
             port=state.port,
         )
@@ -189,6 +191,9 @@ class Settings:
     # a re-weighting keeps a server serving: it counts as a change for the breaker only once
     # the server's share of its backend's weight moved by more than this within the period
     breaker_weight_share: float = 0.25
+    # after a recommendation's freeze, undo it when its backend's mean time in the system grew
+    # more than this many times what it was before it
+    undo_worse_ratio: float = 1.25
 
     def __post_init__(self) -> None:
         if self.interval_seconds <= 0:
@@ -204,5 +209,7 @@ class Settings:
         for name in ("max_age_seconds", "freeze_seconds", "drain_timeout_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must not be negative")
+        if self.undo_worse_ratio < 1:
+            raise ValueError(f"undo worse ratio {self.undo_worse_ratio} must be at least 1")
         if self.max_actions_per_hour < 1:
             raise ValueError("max actions per hour must be at least 1")

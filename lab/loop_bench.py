@@ -88,7 +88,7 @@ class LoopResult:
     latency: dict[str, Latency]  # per traffic class, and ALL
     idle_while_queued_ratio: float | None
     utilization_spread_ratio: float | None
-    actions: dict[str, int] = field(default_factory=dict)  # applied, by action
+    actions: dict[str, int] = field(default_factory=dict)  # applied, by action; and undone
     # the analyzer's recommendations over the run, by action, and the controller's refusals
     # of them, by reason (each recommendation and reason once)
     recommended: dict[str, int] = field(default_factory=dict)
@@ -166,9 +166,12 @@ def run_policy(
         if e.get("decision") in REFUSED
     }
     applied = [e for e in audit if e.get("decision") == "applied"]
+    actions = Counter(str(e["action"]) for e in applied)
+    # the changes put back after their recommendation made the pool slower
+    actions.update("undone" for e in audit if e.get("decision") == "undone")
     return dataclasses.replace(
         figures,
-        actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
+        actions=dict(sorted(actions.items())),
         recommended=dict(sorted(Counter(recommended.values()).items())),
         refused=dict(sorted(Counter(reason for _, reason in refused).items())),
         max_actions_per_freeze=_most_per_freeze(applied, settings),
