@@ -229,8 +229,11 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "left to fix. Idle-while-queued is the run's truth from the simulator's timeline: "
         "the share of GPU-time in which a GPU runs no batch while a request of its pool waits "
         "in the pool's central queue or behind another GPU's running batch (a request waiting "
-        "for its own idle GPU's batch to fill is batching, not balance); behind the oracle's "
-        "central queue it stays near 0.",
+        "for its own idle GPU's batch to fill is batching, not balance). Behind the oracle's "
+        "central queue it is low, not 0: the lab's oracle hands a request to the worker with "
+        "the fewest in flight, which may still run a batch while another GPU frees up sooner "
+        "(long outputs), and where the host is short of cores (host-bound) the workers' slots "
+        "fill with requests waiting for a core while their GPUs idle, under every policy.",
     ]
     return "\n".join(lines)
 
