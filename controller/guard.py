@@ -133,7 +133,7 @@ def guard(
         else:
             allowed.append(change)
             spent += 1
-            recent.append(_applied(change, now))
+            recent.append(change.applied(now))
             after = _after(servers[change.key], change)
             serving[change.backend] += after.serving - servers[change.key].serving
             servers[change.key] = after
@@ -150,12 +150,7 @@ def _changed_with(
 ) -> set[str]:
     """The servers changed within the breaker's period were ``change`` applied too."""
     after = {**servers, change.key: _after(servers[change.key], change)}
-    return _changed([*recent, _applied(change, now)], after, settings.breaker_weight_share)
-
-
-def _applied(change: Change, now: float) -> Applied:
-    before = change.before if isinstance(change.before, int) else None
-    return Applied(now, change.key, change.recommendation_id, change.action, before)
+    return _changed([*recent, change.applied(now)], after, settings.breaker_weight_share)
 
 
 def _changed(

@@ -334,10 +334,7 @@ class Controller:
             self.audit.record(now, "failed", reason=str(exc), **fields)
             log.error("%s failed: %s", _describe(change), exc)
             return False
-        before = change.before if isinstance(change.before, int) else None
-        self.history.append(
-            Applied(now, change.key, change.recommendation_id, change.action, before)
-        )
+        self.history.append(change.applied(now))
         self.metrics.actions.labels(change.action, "applied").inc()
         self.audit.record(now, "applied", reason=self.actuator.name, **fields)
         log.info("%s (%s)", _describe(change), change.recommendation_id)
@@ -361,8 +358,7 @@ class Controller:
                 self.audit.record(now, "failed", recommendation=rec_id, reason=str(exc), **fields)
                 log.error("undo %s failed: %s", _describe(change), exc)
                 continue
-            before = change.before if isinstance(change.before, int) else None
-            self.history.append(Applied(now, change.key, rec_id, change.action, before))
+            self.history.append(change.applied(now))
             self.metrics.actions.labels(change.action, "undone").inc()
             self.audit.record(
                 now,

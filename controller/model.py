@@ -136,6 +136,11 @@ class Change:
         """The metric's action label: set_weight, drain, ready or maint."""
         return "set_weight" if self.kind == "set_weight" else str(self.value)
 
+    def applied(self, at_seconds: float) -> Applied:
+        """What the history holds of it once HAProxy took it."""
+        before = self.before if isinstance(self.before, int) else None
+        return Applied(at_seconds, self.key, self.recommendation_id, self.action, before)
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:

@@ -275,3 +275,31 @@ def test_bad_settings_are_named() -> None:
         Recommender(persistence_windows=0).recommend(diagnosis, table, 30.0)
     with pytest.raises(ValueError, match="target_rho"):
         Recommender(target_rho=1.5).recommend(diagnosis, table, 30.0)
+
+
+def test_peers_the_routing_starves_reweight_a_gpu_not_yet_judged_overloaded() -> None:
+    # GPU 0 takes most of the work, its queue still building: judged balanced so far, while
+    # its two peers idle for want of work the routing sends elsewhere
+    frames = []
+    for w in range(3):
+        frames += [
+            _frame(
+                0,
+                w,
+                utilization_mean_ratio=1.0,
+                queue_depth_mean=20.0,
+                batch_size_mean=8.0,
+                completions_per_second=10.0,
+                queue_depth_slope_per_second=0.5,
+            ),
+            _frame(1, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+            _frame(2, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+        ]
+    labels = {0: "balanced/none", 1: "starved/routing_skew", 2: "starved/routing_skew"}
+    found = _by_labels(frames, labels)
+    assert _actions(found) == [("set_weights", "pool:llama")]
+    weights = _shares(found[0])
+    assert weights["gpu:0"] == pytest.approx(weights["gpu:1"], rel=0.05)
+    # starved for want of demand, not for the routing: nothing to re-weight
+    idle = {0: "balanced/none", 1: "starved/low_demand", 2: "starved/low_demand"}
+    assert _by_labels(frames, idle) == ()
