@@ -112,7 +112,9 @@ class Verifier:
         self.watches: dict[str, Watch] = {}
 
     def observe(self, observed: Observed) -> None:
-        horizon = observed.at_seconds - 3 * self.freeze_seconds
+        # the stretch before the oldest watch's first change, however long its ramp took
+        oldest = min((w.first_at for w in self.watches.values()), default=observed.at_seconds)
+        horizon = oldest - self.freeze_seconds
         for backend, load in loads(observed).items():
             kept = self.history.setdefault(backend, deque())
             kept.append(load)

@@ -15,7 +15,7 @@ import pytest
 from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.loop import Controller
 from gpubalance.controller.metrics import Metrics
-from gpubalance.controller.model import Change, Settings
+from gpubalance.controller.model import Change, Observed, ObservedServer, Settings
 from gpubalance.controller.verify import Load, Verifier, time_in_system
 from gpubalance.diagnosis import Ack, AckStatus, Recommendation
 from gpubalance.lab import scenario, traffic
@@ -51,6 +51,24 @@ def test_a_recommendation_is_judged_once_its_freeze_has_passed() -> None:
     assert verdict.worse and verdict.before_seconds == pytest.approx(1.0)
     assert verdict.after_seconds == pytest.approx(4.67 / 2, rel=0.01)
     assert verifier.due(50.0) == []  # judged once
+
+
+def test_the_figures_before_a_long_ramp_are_kept_until_it_is_judged() -> None:
+    verifier = Verifier(freeze_seconds=20.0, worse_ratio=1.25)
+    verifier.observe(_at(0.0, 2, 0))
+    verifier.observe(_at(10.0, 2, 20))
+    verifier.observe(_at(20.0, 2, 40))
+    for t in range(20, 200, 10):  # a step every pass for three minutes
+        verifier.applied(Change("set_weight", "be", "s0", 100 + t, 100, "r"), float(t))
+        verifier.observe(_at(t + 10.0, 2, 40 + 2 * (t - 10)))
+    verifier.observe(_at(210.0, 2, 420))
+    [verdict] = verifier.due(210.0)
+    assert verdict.before_seconds == pytest.approx(1.0) and not verdict.worse
+
+
+def _at(t: float, in_flight: int, served: int) -> Observed:
+    server = ObservedServer("be", "s0", "ready", 100, 100, True, in_flight, requests_total=served)
+    return Observed(at_seconds=t, servers={server.key: server})
 
 
 class FixedAnalyzer:
