@@ -18,7 +18,7 @@ from gpubalance.controller.actuator import ActuatorError
 from gpubalance.controller.model import Change, Settings, observed_from
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer, closed_loop
-from gpubalance.lab.fast import FastRun
+from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun
 from gpubalance.lab.loop_bench import bench_plan, bench_settings, run_policy
 
 TWO_CARDS = """\
@@ -214,3 +214,74 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path: Path) -> None
     piped = subprocess.run(command, capture_output=True, timeout=120, check=True)
     assert piped.stderr == b""
     assert json.loads(piped.stdout)["policy"] == "controller"
+
+
+TWO_POOLS = """\
+name: two-pools
+description: "four RTX 4090s, two pools of two; chat busy, code quiet"
+duration_seconds: 120
+truth_window_seconds: 10
+hardware:
+  gpus:
+    - {card: RTX 4090, count: 4}
+models:
+  small:
+    params_billions: 3.21
+  other:
+    params_billions: 1.5
+workers:
+  - {gpu: [0, 1], model: small, pool: chat}
+  - {gpu: [2, 3], model: other, pool: code}
+router:
+  policy: least_connections
+  pools: {interactive: chat, code: code}
+traffic:
+  - name: chat
+    class: interactive
+    arrivals: {kind: poisson, rate: 8}
+    prompt_tokens: {kind: fixed, value: 128}
+    output_tokens: {kind: fixed, value: 64}
+  - name: code
+    class: code
+    arrivals: {kind: poisson, rate: 2}
+    prompt_tokens: {kind: fixed, value: 128}
+    output_tokens: {kind: fixed, value: 64}
+"""
+
+
+def test_the_lab_carries_a_move_through_the_controllers_mover(tmp_path: Path) -> None:
+    path = tmp_path / "two-pools.yaml"
+    path.write_text(TWO_POOLS)
+    plan = bench_plan(scenario.load(str(path)), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 120.0, 1)
+    run = FastRun(plan, requests, 1, 120.0)
+    run.start()
+    settings = bench_settings(10.0)
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
+    loop.step()
+    assert loop.controller.mover is not None
+    loop.controller.approve_move(2, "be_chat")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append(
+            {b: sum(s.serving for s in observed.pool(b)) for b in ("be_chat", "be_code")}
+        )
+    result = run.finish()
+    entries = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    steps = [e["action"] for e in entries if e.get("move") and e["decision"] == "step"]
+    assert steps == ["drain", "maint", "stop", "del_server", "start", "add_server", "ready"]
+    assert [e["decision"] for e in entries if e.get("move")][-1] == "moved"
+    assert run.worker_on(2).plan.pool == "chat" and run.worker_on(2).plan.model_name == "small"
+    # the code pool kept a server all along; chat has three at the end
+    assert min(s["be_code"] for s in serving) == 1
+    assert serving[-1] == {"be_chat": 3, "be_code": 1}
+    assert {r.outcome for r in result.records} == {"ok"}
+    moved_at = next(e["at_seconds"] for e in entries if e.get("action") == "ready")
+    moved_at -= ORIGIN_SECONDS
+    assert any(
+        r.worker == "w2" and r.service_class == "interactive" and r.start_seconds > moved_at
+        for r in result.records
+    )
