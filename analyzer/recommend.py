@@ -15,8 +15,19 @@ a diagnosis, from the verdicts that have held for ``persistence_windows`` window
   queue: ``split_pools``; a host, disk, memory or clock limit: ``investigate_host`` (a person or a
   runbook must look: no routing change cures it).
 
-``move_worker`` and ``add_worker`` have a cost rank but no rule yet: the frames do not say which
-worker serves which queue, nor which GPU has room for another model.
+And across the pools of a host:
+
+- demand that has shifted between pools (one pool's GPUs at ρ ≥ ``move_rho`` with requests
+  queued, while another pool of the same host would stay under ``target_rho`` with one GPU
+  fewer): ``move_worker`` of the quiet pool's least-loaded GPU to the busy pool, whose model it
+  then serves at the capacity the busy pool's GPUs of its card have; when the move lowers the
+  busy pool's highest ρ by ``min_gain_rho`` at least, and only when the prediction outlasts
+  the move's model load (``move_load_seconds`` < ``ttl_seconds``). At most one per host: a
+  move changes both pools, and the next is judged on what it left. Both pools' ρ before and
+  after are in its expected effect (bounds where a capacity is only bounded).
+
+``add_worker`` has a cost rank but no rule yet: the frames do not say which GPU has room for
+another model.
 
 Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
 idle-while-queued before and after. An action that physics rules out is never recommended: no
@@ -29,6 +40,7 @@ is the start of the run of windows that made it, its expiry ``ttl_seconds`` afte
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -80,9 +92,12 @@ class Recommender:
 
     ``capacity``: the (unfitted) capacity model, copied and fitted on each call.
     ``persistence_windows``: windows in a row a GPU's verdict must hold before it is acted on.
-    ``target_rho``: the pool ρ a scale-out or a scale-in aims at. ``min_gain_rho``: the least
-    drop of the pool's highest ρ that makes a re-weighting worth its change. ``ttl_seconds``:
-    how long a recommendation stands unless a later call renews it.
+    ``target_rho``: the pool ρ a scale-out or a scale-in aims at, and the most a pool that
+    gives a GPU away may be left at. ``min_gain_rho``: the least drop of the pool's highest ρ
+    that makes a re-weighting or a move worth its change. ``ttl_seconds``: how long a
+    recommendation stands unless a later call renews it. ``move_rho``: the pool ρ from which a
+    pool with requests queued takes a GPU from a quiet pool. ``move_load_seconds``: how long a
+    moved GPU serves nothing (drain, model load, first health check).
     """
 
     def __init__(
@@ -92,12 +107,16 @@ class Recommender:
         target_rho: float = 0.7,
         min_gain_rho: float = 0.1,
         ttl_seconds: float = 120.0,
+        move_rho: float = 0.8,
+        move_load_seconds: float = 30.0,
     ) -> None:
         self.capacity = capacity
         self.persistence_windows = persistence_windows
         self.target_rho = target_rho
         self.min_gain_rho = min_gain_rho
         self.ttl_seconds = ttl_seconds
+        self.move_rho = move_rho
+        self.move_load_seconds = move_load_seconds
 
     def recommend(
         self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
@@ -106,6 +125,11 @@ class Recommender:
             raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
         if not 0 < self.target_rho < 1:
             raise ValueError(f"target_rho must be between 0 and 1: {self.target_rho}")
+        if self.move_rho <= self.target_rho:
+            # a pool left at target_rho would take the GPU back: the moves would oscillate
+            raise ValueError(f"move_rho {self.move_rho} must be above target_rho {self.target_rho}")
+        if self.move_load_seconds < 0:
+            raise ValueError(f"move_load_seconds must not be negative: {self.move_load_seconds}")
         model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
         held = self._held(diagnosis.verdicts)
         fleet: dict[tuple[str, str], FleetVerdict] = {}
@@ -120,13 +144,37 @@ class Recommender:
             if frame.workers:
                 workers[(frame.host, frame.gpu)] = frame.workers
         out: list[Recommendation] = []
+        by_host: dict[str, list[_Pool]] = {}
         for (host, pool), members in sorted(pools.items()):
             context = _Pool(
                 self, model, host, pool, members, fleet.get((host, pool)), now_seconds, workers
             )
             out += context.recommendations()
+            by_host.setdefault(host, []).append(context)
+        for contexts in by_host.values():
+            move = self._move(contexts)
+            if move is not None:
+                out.append(move)
         out.sort(key=lambda r: (r.cost_rank, r.host, r.target, r.id))
         return tuple(out)
+
+    def _move(self, pools: Sequence[_Pool]) -> Recommendation | None:
+        """The best move of one GPU between two pools of a host, if one is worth it."""
+        if self.move_load_seconds >= self.ttl_seconds:
+            return None  # the GPU would still be loading when the prediction lapses
+        moves: list[_Move] = []
+        for busy in pools:
+            rho = busy.model.pool_rho(busy.host, busy.pool)
+            queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]
+            if rho is None or rho < self.move_rho or statistics.fmean(queued or [0.0]) < 1.0:
+                continue
+            for quiet in pools:
+                move = None if quiet is busy else _Move.of(busy, quiet, self.target_rho)
+                if move is not None and move.gain >= self.min_gain_rho:
+                    moves.append(move)
+        if not moves:
+            return None
+        return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
 
     def _held(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], _Held]:
         """Per GPU, its latest verdict when the last ``persistence_windows`` agree."""
@@ -544,6 +592,100 @@ class _Pool:
                 receivers=ordered,
             )
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """One GPU of ``quiet`` moved to ``busy``, and the ρ of both pools after it."""
+
+    busy: _Pool
+    quiet: _Pool
+    gpu: int
+    capacity_per_second: float  # what it serves of the busy pool's model
+    rho_after: Mapping[int, float]  # both pools' GPUs
+    gain: float  # the drop of the busy pool's highest ρ
+
+    @classmethod
+    def of(cls, busy: _Pool, quiet: _Pool, target_rho: float) -> _Move | None:
+        """The move of the quiet pool's least-loaded GPU, when the quiet pool keeps a GPU and
+        stays under ``target_rho`` without it; None when a capacity or load is unknown."""
+        gives = quiet.gpus.values()
+        if len(quiet.gpus) < 2 or not busy.rho_now:
+            return None
+        if any(c.offered_per_second is None or not c.capacity_per_second for c in gives):
+            return None
+        moved = min(gives, key=lambda c: (c.offered_per_second or 0.0, c.gpu))
+        # on the busy pool's model it serves what the busy pool's GPUs of its card serve
+        same_card = [
+            c.capacity_per_second
+            for c in busy.gpus.values()
+            if c.card == moved.card and c.capacity_per_second
+        ]
+        if not same_card:
+            return None
+        each = statistics.median(same_card)
+        stays = {g: c.capacity_per_second or 0.0 for g, c in quiet.gpus.items() if g != moved.gpu}
+        quiet_after = quiet.model.predict_rho(quiet.host, quiet.pool, {**stays, moved.gpu: 0.0})
+        if quiet_after is None or max(quiet_after.values()) > target_rho:
+            return None
+        shares = {g: c.capacity_per_second or 0.0 for g, c in busy.gpus.items()}
+        shares[moved.gpu] = each
+        busy_after = busy.model.predict_rho(busy.host, busy.pool, shares, {moved.gpu: each})
+        if busy_after is None:
+            return None
+        gain = max(busy.rho_now.values()) - max(busy_after.values())
+        quiet_after = {g: r for g, r in quiet_after.items() if g != moved.gpu}
+        return cls(busy, quiet, moved.gpu, each, {**quiet_after, **busy_after}, gain)
+
+    def recommendation(self) -> Recommendation:
+        busy, quiet, gpu = self.busy, self.quiet, self.gpu
+        made = quiet._make(
+            "move_worker",
+            f"gpu:{gpu}",
+            {
+                "gpu": gpu,
+                "workers": list(quiet.workers.get((quiet.host, gpu), ())),
+                # the busy pool as the analyzer names it, and its workers: the servers an
+                # executor finds its backend by
+                "to": busy.pool,
+                "to_workers": sorted(
+                    name for g in busy.gpus for name in busy.workers.get((busy.host, g), ())
+                ),
+            },
+            f"{busy.pool} is offered {busy.model.pool_rho(busy.host, busy.pool):.2f} of what "
+            f"its GPUs serve with requests queued, while {quiet.pool} would stay under "
+            f"ρ {quiet.r.target_rho:.2f} with one GPU fewer: move GPU {gpu} to {busy.pool}",
+            [],
+            None,
+        )
+        rho_before = {**quiet.rho_now, **busy.rho_now}
+        capacity = {g: c for p in (quiet, busy) for g, c in p.gpus.items()}
+        sure = min([busy.gpus[g].confidence for g in busy.gpus] or [1.0])
+        return dataclasses.replace(
+            made,
+            # a move back is another recommendation: the pool it goes to is part of its id
+            id=_stable_id("move_worker", quiet.host, quiet.pool, f"gpu:{gpu}->{busy.pool}"),
+            evidence=(
+                *made.evidence,
+                f"capacity model, ρ of {busy.pool} now: {_rho_text(busy.rho_now, busy.measured)}",
+            ),
+            confidence=round(min(made.confidence, sure), 4),
+            expected=ExpectedEffect(
+                rho_before={g: round(r, 4) for g, r in sorted(rho_before.items())},
+                rho_after={g: round(r, 4) for g, r in sorted(self.rho_after.items())},
+                idle_while_queued_before=None,
+                idle_while_queued_after=None,
+                capacity_per_second={
+                    **{
+                        g: round(c.capacity_per_second, 4)
+                        for g, c in sorted(capacity.items())
+                        if c.capacity_per_second is not None and g != gpu
+                    },
+                    gpu: round(self.capacity_per_second, 4),
+                },
+                capacity_source={g: c.source for g, c in sorted(capacity.items())},
+            ),
+        )
 
 
 def _round(value: float | None) -> float | None:
