@@ -31,7 +31,7 @@ from gpubalance.controller.guard import HOUR_SECONDS, guard
 from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Applied, Change, Refusal, Settings, observed_from
-from gpubalance.controller.plan import plan
+from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.diagnosis import AckStatus
 
 if TYPE_CHECKING:
@@ -177,6 +177,9 @@ class Controller:
 
         # plan, guard
         planned = plan(observed, others, self.history, self.settings)
+        moves, waiting_moves = plan_moves(
+            moves, observed, self.history, planned.changes, self.settings
+        )
         changes, held = self._hold_moving(planned.changes)
         guarded = guard(
             changes,
@@ -202,7 +205,7 @@ class Controller:
             log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
 
         # record refusals and met recommendations, act
-        for refusal in (*planned.refusals, *held, *guarded.refusals):
+        for refusal in (*planned.refusals, *waiting_moves, *held, *guarded.refusals):
             await self._refuse(refusal, now)
             report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
         for rec_id in planned.converged:

@@ -333,8 +333,9 @@ def test_a_quiet_pools_least_loaded_gpu_moves_to_the_busy_pool() -> None:
     assert move.parameters["to_workers"] == ["w0", "w1"]
     expected = move.expected
     assert expected is not None
-    # llama: 21/s offered over two GPUs of 10/s, then three; qwen keeps GPU 3 (busy rate 5/s)
-    assert expected.rho_before == pytest.approx({0: 1.05, 1: 1.05, 2: 0.2, 3: 0.24})
+    # llama: 21/s offered over two GPUs of 10/s, then three; qwen: 2.2/s over 2 GPUs of 5/s
+    # (their busy rate), then GPU 3 alone
+    assert expected.rho_before == pytest.approx({0: 1.05, 1: 1.05, 2: 0.22, 3: 0.22})
     assert expected.rho_after == pytest.approx({0: 0.7, 1: 0.7, 2: 0.7, 3: 0.44})
     assert expected.capacity_per_second[2] == pytest.approx(10.0)
     assert "move GPU 2 to llama" in move.reason
@@ -342,8 +343,9 @@ def test_a_quiet_pools_least_loaded_gpu_moves_to_the_busy_pool() -> None:
     assert _moves(_by_labels(_two_pools(4), LABELS))[0].id == move.id
 
 
-def test_no_move_leaves_the_quiet_pool_over_target_or_without_a_gpu() -> None:
-    # qwen at ρ 0.5 would be at 1.1 on one GPU
+def test_no_move_leaves_the_quiet_pool_busier_than_the_busy_one_was_or_without_a_gpu() -> None:
+    # qwen at ρ 0.55 would be at 1.1 on one GPU, above llama's 1.05 now: the move would only
+    # move the overload
     assert _moves(_by_labels(_two_pools(quiet_rate=2.5), LABELS)) == []
     # a quiet pool of one GPU keeps it
     alone = [f for f in _two_pools() if f.gpu != 3]

@@ -4,10 +4,12 @@ and `gpubalance bench loop` on shipped scenarios (short real runs, no timed asse
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import run_on_terminal
@@ -285,3 +287,74 @@ def test_the_lab_carries_a_move_through_the_controllers_mover(tmp_path: Path) ->
         r.worker == "w2" and r.service_class == "interactive" and r.start_seconds > moved_at
         for r in result.records
     )
+
+
+def _steady_shift(tmp_path: Path, chat_rate: float) -> tuple[Any, list[dict[str, int]]]:
+    """TWO_POOLS with chat at ``chat_rate``, under the controller for 300 s: its loop, and
+    each pass's serving servers per backend."""
+    path = tmp_path / "steady.yaml"
+    path.write_text(TWO_POOLS.replace("rate: 8}", f"rate: {chat_rate}}}"))
+    plan = bench_plan(scenario.load(str(path)), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 300.0, 2)
+    run = FastRun(plan, requests, 2, 300.0)
+    run.start()
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), bench_settings(10.0), tmp_path / "a")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append({b: sum(s.serving for s in observed.pool(b)) for b in observed.backends})
+    run.finish()
+    return loop, serving
+
+
+def test_a_steady_shift_moves_one_gpu_to_the_busy_pool_then_holds(tmp_path: Path) -> None:
+    loop, serving = _steady_shift(tmp_path, 40)
+    entries = loop.controller.audit.entries()
+    moves = [e for e in entries if e.get("action") == "move" and e["decision"] == "applied"]
+    assert [(e["before"], e["after"]) for e in moves] == [("be_code", "be_chat")]
+    assert serving[-1] == {"be_chat": 3, "be_code": 1}
+    # steady once moved: no action of any kind in the passes after the move's end
+    done = next(i for i, r in enumerate(loop.reports) if any("moved" in a for a in r.applied))
+    assert loop.reports[done + 3 :] and not any(r.applied for r in loop.reports[done + 1 :])
+    assert all(min(s.values()) >= 1 for s in serving)
+
+
+def test_on_the_pool_demand_shift_gpus_follow_the_demand_one_move_at_a_time(
+    tmp_path: Path,
+) -> None:
+    plan = bench_plan(scenario.load("pool-demand-shift"), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 600.0, 21)
+    run = FastRun(plan, requests, 21, 600.0)
+    run.start()
+    settings = bench_settings(30.0)
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append({b: sum(s.serving for s in observed.pool(b)) for b in observed.backends})
+    result = run.finish()
+    entries = loop.controller.audit.entries()
+    moves = [e for e in entries if e.get("action") == "move"]
+    begun = [(e["at_seconds"] - ORIGIN_SECONDS, e) for e in moves if e["decision"] == "applied"]
+    # chat's peak first (150 s): a code GPU to chat; then code's (450 s): chat GPUs to code
+    assert begun[0][1]["after"] == "be_chat" and begun[0][0] < 150
+    assert [e["after"] for _, e in begun[1:]] and {e["after"] for _, e in begun[1:]} == {"be_code"}
+    # one in flight: each ends before the next begins
+    ends = [e for e in moves if e["decision"] in ("moved", "undone", "failed")]
+    assert len(ends) == len(begun)
+    order = [e["move"] for e in moves]
+    for (_, started), (_, following) in itertools.pairwise(begun):
+        last = max(i for i, move in enumerate(order) if move == started["move"])
+        assert order.index(following["move"]) > last
+    # at most one move of a GPU per freeze, and never a pool without a serving server
+    by_gpu: dict[str, list[float]] = {}
+    for at, e in begun:
+        by_gpu.setdefault(e["target"], []).append(at)
+    for times in by_gpu.values():
+        assert all(b - a >= settings.freeze_seconds for a, b in itertools.pairwise(times))
+    assert all(min(s.values()) >= 1 for s in serving)
+    assert {r.outcome for r in result.records} == {"ok"}
