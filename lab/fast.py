@@ -511,14 +511,7 @@ class FastRun:
         old = self.worker_on(gpu)
         if old.process != "stopped":
             raise ValueError(f"GPU {gpu}'s worker {old.name} is {old.process}, not stopped")
-        template = self.templates[pool]
-        card = self.plan.gpus[gpu].card
-        kv = template.kv_cache_bytes
-        if card != self.plan.gpus[template.gpu].card:
-            # alone on the card: what the model's weights leave of its memory
-            model = template.model
-            kv = card.memory_total_bytes - model.weights_bytes - model.overhead_mib * MIB
-        planned = replace(template, name=old.name, index=old.plan.index, gpu=gpu, kv_cache_bytes=kv)
+        planned = placed(self.plan, self.templates[pool], gpu, old.name, old.plan.index)
         worker = self._worker_state(planned)
         self.pids += 1
         worker.pid = self.pids
@@ -652,6 +645,17 @@ class FastRun:
                 for c, n in w.by_class.items()
             ),
         )
+
+
+def placed(plan: Plan, template: PlannedWorker, gpu: int, name: str, index: int) -> PlannedWorker:
+    """A worker like ``template`` (its pool's model, batching, preprocessing) alone on ``gpu``:
+    the template's KV cache on the same card, else what the model's weights leave of it."""
+    card = plan.gpus[gpu].card
+    kv = template.kv_cache_bytes
+    if card != plan.gpus[template.gpu].card:
+        model = template.model
+        kv = card.memory_total_bytes - model.weights_bytes - model.overhead_mib * MIB
+    return replace(template, name=name, index=index, gpu=gpu, kv_cache_bytes=kv)
 
 
 def simulate(

@@ -21,7 +21,7 @@ from gpubalance.controller.model import Change, Settings, observed_from
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer, closed_loop
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun
-from gpubalance.lab.loop_bench import bench_plan, bench_settings, run_policy
+from gpubalance.lab.loop_bench import LoopResult, bench_plan, bench_settings, run_policy, splits
 
 TWO_CARDS = """\
 name: two-cards
@@ -187,7 +187,12 @@ def test_bench_loop_prints_one_json_object(tmp_path: Path, capsys: pytest.Captur
         (
             ["--scenario", "default-target", "--policy", "fastest"],
             "--policy 'fastest': unknown; one of round_robin, leastconn, random2, controller, "
-            "oracle",
+            "oracle, static-best",
+        ),
+        (
+            ["--scenario", "default-target", "--policy", "static-best"],
+            "--policy static-best: needs GPUs serving two pools or more, one worker each; "
+            "default-target has 1 pool(s)",
         ),
         (
             ["--scenario", "default-target", "--policy", "oracle", "--model", "/nonexistent"],
@@ -358,3 +363,24 @@ def test_on_the_pool_demand_shift_gpus_follow_the_demand_one_move_at_a_time(
         assert all(b - a >= settings.freeze_seconds for a, b in itertools.pairwise(times))
     assert all(min(s.values()) >= 1 for s in serving)
     assert {r.outcome for r in result.records} == {"ok"}
+
+
+def test_static_best_tries_every_split_and_keeps_the_one_best_for_both_pools(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "two-pools.yaml"
+    path.write_text(TWO_POOLS.replace("rate: 8}", "rate: 40}"))
+    plan = scenario.load(str(path))
+    found = splits(plan)
+    # four identical cards: 1 + 3, 2 + 2, 3 + 1 (which GPUs does not matter)
+    assert sorted(len(p.workers_in("chat")) for p in found) == [1, 2, 3]
+    assert all(sorted(w.name for w in p.workers) == ["w0", "w1", "w2", "w3"] for p in found)
+    best = run_policy(plan, "static-best", 1, 60.0)
+    by_split = {len(p.workers_in("chat")): run_policy(p, "leastconn", 1, 60.0) for p in found}
+
+    def worst(r: LoopResult) -> float:
+        return max(r.latency[c].p99_seconds for c in ("interactive", "code"))
+
+    assert best.policy == "static-best"
+    assert len(best.placement["chat"]) == min(by_split, key=lambda k: worst(by_split[k]))
+    assert worst(best) == min(worst(r) for r in by_split.values())
