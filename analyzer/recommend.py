@@ -741,11 +741,16 @@ class _Move:
                 rho_after={g: round(r, 4) for g, r in sorted(self.rho_after.items())},
                 idle_while_queued_before=None,
                 idle_while_queued_after=None,
+                # as the ρ above take them: each pool's GPUs of a card at their median
                 capacity_per_second={
                     **{
-                        g: round(c.capacity_per_second, 4)
-                        for g, c in sorted(capacity.items())
-                        if c.capacity_per_second is not None and g != gpu
+                        g: round(cards[c.card], 4)
+                        for p, cards in (
+                            (quiet, _card_capacity(quiet)),
+                            (busy, _card_capacity(busy)),
+                        )
+                        for g, c in sorted(p.gpus.items())
+                        if g != gpu
                     },
                     gpu: round(self.capacity_per_second, 4),
                 },

@@ -216,7 +216,9 @@ class LabSupervisor:
             server_name="w{gpu}",
             # a move's load and its first health check, and a SIGTERM, in simulated time
             ready_timeout_seconds=max(run.load_seconds(w) for w in run.plan.workers) * 3,
-            weight=weights[len(weights) // 2],  # a server added weighs what its peers do
+            # a server added to a pool none of whose servers serve (the mover gives one its
+            # serving peers' weight otherwise)
+            weight=weights[len(weights) // 2],
             state_dir=state_dir,
         )
 
