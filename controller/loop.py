@@ -39,7 +39,7 @@ from gpubalance.controller.model import (
     Settings,
     observed_from,
 )
-from gpubalance.controller.plan import plan
+from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.controller.verify import Verdict, Verifier
 from gpubalance.diagnosis import AckStatus
 
@@ -197,6 +197,9 @@ class Controller:
 
         # plan, guard
         planned = plan(observed, others, self.history, self.settings)
+        moves, waiting_moves = plan_moves(
+            moves, observed, self.history, planned.changes, self.settings
+        )
         changes, held = self._hold_moving(planned.changes)
         guarded = guard(
             changes,
@@ -222,7 +225,7 @@ class Controller:
             log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
 
         # record refusals and met recommendations, act
-        for refusal in (*planned.refusals, *held, *guarded.refusals):
+        for refusal in (*planned.refusals, *waiting_moves, *held, *guarded.refusals):
             await self._refuse(refusal, now)
             report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
         for rec_id in planned.converged:

@@ -11,7 +11,11 @@ changing them, are left out):
 - `random2`: the fewer in flight of two random servers;
 - `controller`: leastconn, with the analyzer and the controller acting on it every analysis
   window (`gpubalance.lab.control`);
-- `oracle`: one central queue per pool that every worker pulls from when it has room.
+- `oracle`: one central queue per pool that every worker pulls from when it has room;
+- `static-best`: where GPUs serve two pools or more, one worker each: every split of the GPUs
+  between the pools (each pool one GPU at least; GPUs of one card alike) under leastconn, and
+  the split whose highest p99 of a class is lowest, the baseline a controller that moves GPUs
+  between pools has to beat (its `placement` says which split).
 
 Figures: p50 and p99 latency (arrival to answer, answered requests) per traffic class and
 overall; requests failed (rejected, out of KV memory, lost to a crash); idle-while-queued over
@@ -33,7 +37,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -61,7 +67,9 @@ POLICIES: dict[str, str] = {
     "random2": "random_of_2",
     "controller": "least_connections",
     "oracle": "pooled",
+    "static-best": "least_connections",
 }
+STATIC_BEST = "static-best"  # leastconn on the best static split of the GPUs between pools
 ALL = "all"  # the latency row over every class
 REFUSED = frozenset({"rejected", "waiting", "failed"})  # the audit log's refusals
 
@@ -95,6 +103,7 @@ class LoopResult:
     refused: dict[str, int] = field(default_factory=dict)
     max_actions_per_freeze: int = 0  # on any one server within freeze_seconds
     passes: int = 0
+    placement: dict[str, list[int]] = field(default_factory=dict)  # static-best: pool -> GPUs
 
 
 def bench_settings(window_seconds: float) -> Settings:
@@ -139,6 +148,8 @@ def run_policy(
     from gpubalance.lab.control import closed_loop
     from gpubalance.lab.fast import FastRun
 
+    if policy == STATIC_BEST:
+        return _static_best(plan, seed_value, duration_seconds, on_sample)
     changed = bench_plan(plan, policy)
     scenario = changed.scenario
     requests = traffic.generate(scenario.traffic, duration_seconds, seed_value)
@@ -177,6 +188,54 @@ def run_policy(
         max_actions_per_freeze=_most_per_freeze(applied, settings),
         passes=passes,
     )
+
+
+def splits(plan: Plan) -> list[Plan]:
+    """Every split of the plan's GPUs between its pools, each pool on one GPU or more, each GPU
+    a worker like its pool's first (`lab.fast.placed`); splits that give each pool the same
+    cards are one."""
+    from gpubalance.lab.fast import placed
+
+    pools = sorted({w.pool for w in plan.workers})
+    ok = len(pools) > 1 and sorted(w.gpu for w in plan.workers) == [g.index for g in plan.gpus]
+    if not ok:
+        raise BenchError(
+            f"--policy {STATIC_BEST}: needs GPUs serving two pools or more, one worker each; "
+            f"{plan.scenario.name} has {len(pools)} pool(s), {len(plan.workers)} workers on "
+            f"{len(plan.gpus)} GPUs"
+        )
+    templates = {pool: plan.workers_in(pool)[0] for pool in pools}
+    out: dict[tuple[tuple[str, ...], ...], Plan] = {}
+    for choice in itertools.product(pools, repeat=len(plan.gpus)):
+        if set(choice) != set(pools):
+            continue
+        cards = tuple(
+            tuple(sorted(plan.gpus[g].card.model for g, p in enumerate(choice) if p == pool))
+            for pool in pools
+        )
+        workers = tuple(
+            placed(plan, templates[pool], gpu, f"w{gpu}", gpu) for gpu, pool in enumerate(choice)
+        )
+        out.setdefault(cards, dataclasses.replace(plan, workers=workers))
+    return list(out.values())
+
+
+def _static_best(
+    plan: Plan, seed_value: int, duration: float, on_sample: Callable[[Sample], None] | None
+) -> LoopResult:
+    best: tuple[float, LoopResult] | None = None
+    for split in splits(plan):
+        result = run_policy(split, "leastconn", seed_value, duration, on_sample=on_sample)
+        worst = max(
+            (v.p99_seconds for c, v in result.latency.items() if c != ALL and v.p99_seconds),
+            default=math.inf,
+        )
+        if best is None or worst < best[0]:
+            pools = sorted({w.pool for w in split.workers})
+            placement = {p: [w.gpu for w in split.workers_in(p)] for p in pools}
+            best = (worst, dataclasses.replace(result, policy=STATIC_BEST, placement=placement))
+    assert best is not None
+    return best[1]
 
 
 def _figures(
@@ -462,6 +521,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan, Classifier | None]:
         plan = scenario.load(args.scenario)
     except ConfigError as exc:
         raise BenchError(f"--scenario: {exc}") from None
+    if args.policy == STATIC_BEST:
+        splits(plan)  # says why it has none
     classifier: Classifier | None = None
     if args.model is not None:
         from gpubalance.analyzer import model
@@ -510,4 +571,9 @@ def format_result(result: LoopResult) -> str:
         ]
     else:
         lines.append("actions: none (no controller)")
+    if result.placement:
+        split = "; ".join(
+            f"{p}: GPUs {', '.join(map(str, g))}" for p, g in result.placement.items()
+        )
+        lines.append(f"best static split: {split}")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from gpubalance.controller.model import (
     ObservedServer,
     Settings,
 )
-from gpubalance.controller.plan import plan
+from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.diagnosis import Recommendation
 
 NOW = 1_800_000_000.0
@@ -459,3 +459,61 @@ def test_analyzer_weights_the_controller_cannot_place_are_refused(
     assert result.changes == ()
     [refusal] = result.refusals
     assert found in refusal.detail, refusal.detail
+
+
+# -- moves: plan_moves before the mover ---------------------------------------------------------
+
+POOLS = (
+    server("w0", "be_chat"),
+    server("w1", "be_chat"),
+    server("w2", "be_code"),
+    server("w3", "be_code"),
+)
+
+
+def move(rec_id: str = "m", gpu: int = 2, **parameters: object) -> Recommendation:
+    asked = {"gpu": gpu, "workers": [f"w{gpu}"], "to": "llama", "to_workers": ["w0", "w1"]}
+    return rec(rec_id, "move_worker", f"gpu:{gpu}", {**asked, **parameters}, cost_rank=5)
+
+
+def test_a_move_to_the_analyzers_pool_goes_to_the_backend_of_its_workers() -> None:
+    passed, refused = plan_moves([move()], observed(*POOLS), [], [], Settings())
+    assert refused == []
+    assert [(r.id, r.parameters["to"]) for r in passed] == [("m", "be_chat")]
+    # a backend named as such stays as it is
+    passed, _ = plan_moves(
+        [move(to="be_chat", to_workers=[])], observed(*POOLS), [], [], Settings()
+    )
+    assert passed[0].parameters["to"] == "be_chat"
+
+
+def test_a_move_to_an_unknown_pool_or_an_expired_one_is_rejected() -> None:
+    stray = move("stray", to="mistral", to_workers=["w9"])
+    old = replace(move("old"), expires_seconds=NOW - 1)
+    passed, refused = plan_moves([stray, old], observed(*POOLS), [], [], Settings())
+    assert passed == []
+    reasons = {r.recommendation_id: (r.reason, r.ack) for r in refused}
+    assert reasons == {"stray": ("unknown_target", "rejected"), "old": ("expired", "rejected")}
+    assert "'mistral': no such backend" in next(r.detail for r in refused if r.reason != "expired")
+
+
+def test_a_moved_gpu_is_frozen_against_another_move_then_free() -> None:
+    back = move("back", to="qwen", to_workers=["w3"])
+    moved = [Applied(NOW - 30, "gpu:2", "m", "move")]
+    passed, refused = plan_moves([back], observed(*POOLS), moved, [], Settings())
+    assert passed == []
+    assert [(r.reason, r.ack) for r in refused] == [("frozen", None)]
+    # its own move is not frozen by itself, and after the freeze the way back is open
+    assert plan_moves([move()], observed(*POOLS), moved, [], Settings())[0]
+    later = observed(*POOLS, at=NOW + 31)
+    assert plan_moves([back], later, moved, [], Settings())[0]
+
+
+def test_a_move_waits_for_cheaper_changes_on_the_backend_it_leaves() -> None:
+    weight = Change("set_weight", "be_code", "w3", 90, 100, "r", cost_rank=0)
+    passed, refused = plan_moves([move()], observed(*POOLS), [], [weight], Settings())
+    assert passed == [] and [(r.reason, r.ack) for r in refused] == [("ladder", None)]
+    # the backend it joins, or another one, may change meanwhile
+    joins = Change("set_weight", "be_chat", "w0", 90, 100, "r", cost_rank=0)
+    elsewhere = Change("set_weight", "be_other", "x", 90, 100, "r", cost_rank=0)
+    assert plan_moves([move()], observed(*POOLS), [], [joins, elsewhere], Settings())[0]
