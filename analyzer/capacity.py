@@ -218,7 +218,7 @@ class CapacityModel:
             return 0.0 if recent and recent[-1].lost else None
         total = seconds = 0.0
         for frame in recent:
-            rate = _rate(frame)
+            rate = offered_rate(frame)
             if rate is None:
                 continue
             total += rate * frame.seconds
@@ -300,7 +300,7 @@ def drain_seconds(gpus: Mapping[int, GpuCapacity], rho: Mapping[int, float]) -> 
     return out
 
 
-def _rate(frame: GpuFrame) -> float | None:
+def offered_rate(frame: GpuFrame) -> float | None:
     """What arrived for the GPU in the window, per second."""
     if frame.completions_per_second is None or not _live(frame):
         return None

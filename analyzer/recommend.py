@@ -15,8 +15,22 @@ a diagnosis, from the verdicts that have held for ``persistence_windows`` window
   queue: ``split_pools``; a host, disk, memory or clock limit: ``investigate_host`` (a person or a
   runbook must look: no routing change cures it).
 
-``move_worker`` and ``add_worker`` have a cost rank but no rule yet: the frames do not say which
-worker serves which queue, nor which GPU has room for another model.
+And across the pools of a host:
+
+- demand that has shifted between pools (one pool at ρ ≥ ``move_rho`` with requests queued,
+  still when a moved GPU would be ready, beside a quieter pool of the same host with two GPUs
+  or more): ``move_worker`` of the quiet pool's least-loaded GPU to the busy pool, whose model
+  it then serves at the capacity the busy pool's GPUs of its card have; when the higher ρ of
+  the two pools is lower by ``min_gain_rho`` at least after it (so a move back, which would
+  raise it again, is never recommended next), and only when the prediction outlasts the
+  move's model load (``move_load_seconds`` < ``ttl_seconds``). A pool's ρ here is its latest
+  window's offered load, or its trend where it rises (over the load time for the busy pool,
+  the recommendation's horizon for the quiet one), over its GPUs' capacity: the 4-window
+  mean the other rules use lags a shifting demand by minutes. At most one per host: a move
+  changes both pools, and the next is judged on what it left.
+
+``add_worker`` has a cost rank but no rule yet: the frames do not say which GPU has room for
+another model.
 
 Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
 idle-while-queued before and after. An action that physics rules out is never recommended: no
@@ -29,6 +43,7 @@ is the start of the run of windows that made it, its expiry ``ttl_seconds`` afte
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -40,6 +55,8 @@ from gpubalance.analyzer.capacity import (
     GpuCapacity,
     drain_seconds,
     idle_while_queued,
+    offered_rate,
+    pool_of,
 )
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.verdict import Diagnosis
@@ -81,8 +98,11 @@ class Recommender:
     ``capacity``: the (unfitted) capacity model, copied and fitted on each call.
     ``persistence_windows``: windows in a row a GPU's verdict must hold before it is acted on.
     ``target_rho``: the pool ρ a scale-out or a scale-in aims at. ``min_gain_rho``: the least
-    drop of the pool's highest ρ that makes a re-weighting worth its change. ``ttl_seconds``:
-    how long a recommendation stands unless a later call renews it.
+    drop of the pool's highest ρ that makes a re-weighting or a move worth its change.
+    ``ttl_seconds``: how long a recommendation stands unless a later call renews it.
+    ``move_rho``: the pool ρ from which a pool with requests queued takes a GPU from a quieter
+    pool. ``move_load_seconds``: how long a moved GPU serves nothing (drain, model load, first
+    health check).
     """
 
     def __init__(
@@ -92,12 +112,16 @@ class Recommender:
         target_rho: float = 0.7,
         min_gain_rho: float = 0.1,
         ttl_seconds: float = 120.0,
+        move_rho: float = 0.8,
+        move_load_seconds: float = 30.0,
     ) -> None:
         self.capacity = capacity
         self.persistence_windows = persistence_windows
         self.target_rho = target_rho
         self.min_gain_rho = min_gain_rho
         self.ttl_seconds = ttl_seconds
+        self.move_rho = move_rho
+        self.move_load_seconds = move_load_seconds
 
     def recommend(
         self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
@@ -106,6 +130,10 @@ class Recommender:
             raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
         if not 0 < self.target_rho < 1:
             raise ValueError(f"target_rho must be between 0 and 1: {self.target_rho}")
+        if self.move_rho <= 0:
+            raise ValueError(f"move_rho must be above 0: {self.move_rho}")
+        if self.move_load_seconds < 0:
+            raise ValueError(f"move_load_seconds must not be negative: {self.move_load_seconds}")
         model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
         held = self._held(diagnosis.verdicts)
         fleet: dict[tuple[str, str], FleetVerdict] = {}
@@ -120,13 +148,37 @@ class Recommender:
             if frame.workers:
                 workers[(frame.host, frame.gpu)] = frame.workers
         out: list[Recommendation] = []
+        by_host: dict[str, list[_Pool]] = {}
         for (host, pool), members in sorted(pools.items()):
             context = _Pool(
                 self, model, host, pool, members, fleet.get((host, pool)), now_seconds, workers
             )
             out += context.recommendations()
+            by_host.setdefault(host, []).append(context)
+        for contexts in by_host.values():
+            move = self._move(contexts, table)
+            if move is not None:
+                out.append(move)
         out.sort(key=lambda r: (r.cost_rank, r.host, r.target, r.id))
         return tuple(out)
+
+    def _move(self, pools: Sequence[_Pool], table: FeatureTable) -> Recommendation | None:
+        """The best move of one GPU between two pools of a host, if one is worth it."""
+        if self.move_load_seconds >= self.ttl_seconds:
+            return None  # the GPU would still be loading when the prediction lapses
+        demand = {p.pool: _Demand.of(table, p) for p in pools}
+        moves: list[_Move] = []
+        for busy in pools:
+            queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]
+            if statistics.fmean(queued or [0.0]) < 1.0:
+                continue
+            for quiet in pools:
+                move = None if quiet is busy else _Move.of(self, busy, quiet, demand)
+                if move is not None and move.gain >= self.min_gain_rho:
+                    moves.append(move)
+        if not moves:
+            return None
+        return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
 
     def _held(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], _Held]:
         """Per GPU, its latest verdict when the last ``persistence_windows`` agree."""
@@ -346,7 +398,11 @@ class _Pool:
         takers = self._held_where("starved", TAKES_WORK)
         short = self._held_where("overloaded", {"capacity_shortage"})
         fleet_short = self.fleet is not None and self.fleet.kind == "capacity_shortage"
-        if not over and not (takers and self._held_where("overloaded")):
+        # GPUs starved because the routing sends them too little say the others get too much,
+        # before any of those is judged overloaded (its queue still building): the capacity
+        # model's gain below decides whether other weights help
+        skewed = self._held_where("starved", {"routing_skew"})
+        if not over and not (takers and self._held_where("overloaded")) and not skewed:
             return None
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
@@ -355,9 +411,12 @@ class _Pool:
         # capacity bounds adds up to
         if (pool_rho >= 1.0 and not takers) or (fleet_short and short):
             return self._scale_out(over or short, pool_rho)
-        hot = [h.verdict.gpu for h in over] or [
-            h.verdict.gpu for h in self._held_where("overloaded")
-        ]
+        starved = {h.verdict.gpu for h in takers}
+        hot = (
+            [h.verdict.gpu for h in over]
+            or [h.verdict.gpu for h in self._held_where("overloaded")]
+            or [g for g in sorted(self.measured) if g not in starved]
+        )
         if not self.measured & set(hot):
             return None  # how much the hot GPUs serve is unmeasured: no weight would be fair
         weights = self._capacity_weights()
@@ -544,6 +603,175 @@ class _Pool:
                 receivers=ordered,
             )
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    """A pool's offered load over its latest windows: the latest, and its trend."""
+
+    latest_per_second: float | None
+    slope_per_second2: float  # least squares over the windows
+
+    @classmethod
+    def of(cls, table: FeatureTable, pool: _Pool, windows: int = 4) -> _Demand:
+        by_window: dict[float, float] = {}
+        for frame in table.frames:
+            if frame.host != pool.host or pool_of(frame) != pool.pool:
+                continue
+            rate = offered_rate(frame)
+            if rate is not None:
+                by_window[frame.t_start] = by_window.get(frame.t_start, 0.0) + rate
+        recent = sorted(by_window.items())[-windows:]
+        if not recent:
+            return cls(None, 0.0)
+        slope = 0.0
+        if len(recent) > 1:
+            t_mean = statistics.fmean(t for t, _ in recent)
+            r_mean = statistics.fmean(r for _, r in recent)
+            spread = sum((t - t_mean) ** 2 for t, _ in recent)
+            slope = sum((t - t_mean) * (r - r_mean) for t, r in recent) / spread
+        return cls(recent[-1][1], slope)
+
+    def per_second(self, ahead_seconds: float) -> float | None:
+        """The offered load ``ahead_seconds`` on, if the trend holds."""
+        if self.latest_per_second is None:
+            return None
+        return max(0.0, self.latest_per_second + self.slope_per_second2 * ahead_seconds)
+
+    def load(self, ahead_seconds: float) -> float | None:
+        """What to plan for over the next ``ahead_seconds``: the latest load, or more where it
+        rises."""
+        later = self.per_second(ahead_seconds)
+        if later is None or self.latest_per_second is None:
+            return None
+        return max(later, self.latest_per_second)
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """One GPU of ``quiet`` moved to ``busy``, and the ρ of both pools after it."""
+
+    busy: _Pool
+    quiet: _Pool
+    gpu: int
+    capacity_per_second: float  # what it serves of the busy pool's model
+    rho_before: Mapping[int, float]  # both pools' GPUs
+    rho_after: Mapping[int, float]
+    busy_rho: float  # the busy pool's, when the moved GPU is ready if it stayed as it is
+    gain: float  # the drop of the higher ρ of the two pools
+
+    @classmethod
+    def of(
+        cls, r: Recommender, busy: _Pool, quiet: _Pool, demand: Mapping[str, _Demand]
+    ) -> _Move | None:
+        """The move of the quiet pool's least-loaded GPU, when the busy pool is at ``move_rho``
+        or more still when the GPU is ready and the quiet pool keeps a GPU; its gain is how
+        much lower the higher ρ of the two pools is after it, the quiet pool's over the
+        recommendation's horizon (its latest load, or its trend where it rises). None when a
+        capacity or load is unknown.
+
+        ρ here is a pool's: its load over its GPUs' summed capacity, as the capacity weights
+        spread it."""
+        gives, takes = quiet.gpus.values(), busy.gpus.values()
+        if len(quiet.gpus) < 2 or not all(c.capacity_per_second for c in (*gives, *takes)):
+            return None
+        if any(c.offered_per_second is None for c in gives):
+            return None
+        # a GPU serves what its pool's GPUs of its card serve (the median: a GPU measured over
+        # few windows, one just moved, is only bounded from below)
+        quiet_cards, busy_cards = _card_capacity(quiet), _card_capacity(busy)
+        busy_load = demand[busy.pool].load(r.move_load_seconds)
+        quiet_now = demand[quiet.pool].latest_per_second
+        quiet_load = demand[quiet.pool].load(r.ttl_seconds)
+        if busy_load is None or quiet_now is None or quiet_load is None:
+            return None
+        moved = min(gives, key=lambda c: (c.offered_per_second or 0.0, c.gpu))
+        # on the busy pool's model it serves what the busy pool's GPUs of its card serve
+        if moved.card not in busy_cards:
+            return None
+        each = busy_cards[moved.card]
+        busy_capacity = sum(busy_cards[c.card] for c in takes)
+        quiet_capacity = sum(quiet_cards[c.card] for c in gives)
+        left = quiet_capacity - quiet_cards[moved.card]
+        busy_rho, quiet_after = busy_load / busy_capacity, quiet_load / left
+        if busy_rho < r.move_rho:
+            return None
+        busy_after = busy_load / (busy_capacity + each)
+        before = {g: quiet_now / quiet_capacity for g in quiet.gpus}
+        before.update(dict.fromkeys(busy.gpus, busy_rho))
+        after = {g: quiet_after for g in quiet.gpus if g != moved.gpu}
+        after.update(dict.fromkeys([*busy.gpus, moved.gpu], busy_after))
+        # what it buys: the higher ρ of the two pools, lower (a move back would raise it again)
+        gain = max(before.values()) - max(after.values())
+        return cls(busy, quiet, moved.gpu, each, before, after, busy_rho, gain)
+
+    @property
+    def rho_after_quiet(self) -> float:
+        return max(r for g, r in self.rho_after.items() if g in self.quiet.gpus)
+
+    def recommendation(self) -> Recommendation:
+        busy, quiet, gpu = self.busy, self.quiet, self.gpu
+        made = quiet._make(
+            "move_worker",
+            f"gpu:{gpu}",
+            {
+                "gpu": gpu,
+                "workers": list(quiet.workers.get((quiet.host, gpu), ())),
+                # the busy pool as the analyzer names it, and its workers: the servers an
+                # executor finds its backend by
+                "to": busy.pool,
+                "to_workers": sorted(
+                    name for g in busy.gpus for name in busy.workers.get((busy.host, g), ())
+                ),
+            },
+            f"{busy.pool} is offered {self.busy_rho:.2f} of what its GPUs serve with requests "
+            f"queued, while {quiet.pool} would be at ρ {self.rho_after_quiet:.2f} with one GPU "
+            f"fewer: move GPU {gpu} to {busy.pool}",
+            [],
+            None,
+        )
+        capacity = {g: c for p in (quiet, busy) for g, c in p.gpus.items()}
+        sure = min([busy.gpus[g].confidence for g in busy.gpus] or [1.0])
+        return dataclasses.replace(
+            made,
+            # a move back is another recommendation: the pool it goes to is part of its id
+            id=_stable_id("move_worker", quiet.host, quiet.pool, f"gpu:{gpu}->{busy.pool}"),
+            evidence=(
+                *made.evidence,
+                f"capacity model, ρ of {busy.pool} now: {_rho_text(busy.rho_now, busy.measured)}",
+                "ρ before and after: each pool's latest offered load (its trend where it rises) "
+                "over its GPUs' capacity",
+            ),
+            confidence=round(min(made.confidence, sure), 4),
+            expected=ExpectedEffect(
+                rho_before={g: round(r, 4) for g, r in sorted(self.rho_before.items())},
+                rho_after={g: round(r, 4) for g, r in sorted(self.rho_after.items())},
+                idle_while_queued_before=None,
+                idle_while_queued_after=None,
+                # as the ρ above take them: each pool's GPUs of a card at their median
+                capacity_per_second={
+                    **{
+                        g: round(cards[c.card], 4)
+                        for p, cards in (
+                            (quiet, _card_capacity(quiet)),
+                            (busy, _card_capacity(busy)),
+                        )
+                        for g, c in sorted(p.gpus.items())
+                        if g != gpu
+                    },
+                    gpu: round(self.capacity_per_second, 4),
+                },
+                capacity_source={g: c.source for g, c in sorted(capacity.items())},
+            ),
+        )
+
+
+def _card_capacity(pool: _Pool) -> dict[str | None, float]:
+    """The median capacity of the pool's GPUs of each card."""
+    by_card: dict[str | None, list[float]] = {}
+    for c in pool.gpus.values():
+        by_card.setdefault(c.card, []).append(c.capacity_per_second or 0.0)
+    return {card: statistics.median(values) for card, values in by_card.items()}
 
 
 def _round(value: float | None) -> float | None:

@@ -2,9 +2,10 @@
 at the fast speed (`gpubalance bench loop`, `gpubalance.lab.loop_bench.run_policy`).
 
 Each scenario runs under round_robin, leastconn, random2, controller (leastconn with the
-analyzer and the controller acting every analysis window) and oracle (one central queue per
-pool), with `--seeds` seeds from the scenario's own; the table holds the median over the seeds of
-each figure. Results: bench/RESULTS.md (section "loop") and bench/loop.png.
+analyzer and the controller acting every analysis window), oracle (one central queue per
+pool) and, where GPUs serve two pools, static-best (leastconn on the best split of the GPUs
+between the pools), with `--seeds` seeds from the scenario's own; the table holds the median
+over the seeds of each figure. Results: bench/RESULTS.md (section "loop") and bench/loop.png.
 
     python bench/loop.py [--seeds 3] [--duration SECONDS] [--scenario NAME ...]
 """
@@ -28,10 +29,16 @@ BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 from results import progress, write_section  # noqa: E402
 
-from gpubalance.config import load_yaml, validate  # noqa: E402
 from gpubalance.lab import scenario  # noqa: E402
-from gpubalance.lab.loop_bench import ALL, POLICIES, LoopResult, run_policy  # noqa: E402
-from gpubalance.lab.scenario import Plan, Scenario  # noqa: E402
+from gpubalance.lab.loop_bench import (  # noqa: E402
+    ALL,
+    POLICIES,
+    STATIC_BEST,
+    LoopResult,
+    run_policy,
+    splits,
+)
+from gpubalance.lab.scenario import Plan  # noqa: E402
 
 # (family, shipped scenario): the shipped scenarios of each family the issue names
 FAMILIES: tuple[tuple[str, str], ...] = (
@@ -45,10 +52,9 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("Azure code trace replay", "overprovisioned-fleet"),
     ("pool-demand shift", "pool-demand-shift"),
 )
-# pool-demand-shift's static splits (GPUs of the chat pool, the rest code): the best of them is
-# what a controller that moves GPUs between the pools would have to beat
+# pool-demand-shift's static splits, each under leastconn and the oracle: static-best is the
+# best of the leastconn ones, what a controller that moves GPUs between the pools has to beat
 SHIFT = "pool-demand-shift"
-SPLITS = ((0,), (0, 1), (0, 1, 2))
 
 
 def machine() -> str:
@@ -70,14 +76,21 @@ def p99(r: LoopResult, service_class: str = ALL) -> float | None:
     return r.latency[service_class].p99_seconds
 
 
+def policies(plan: Plan) -> list[str]:
+    """static-best where GPUs serve two pools or more."""
+    pools = {w.pool for w in plan.workers}
+    return [p for p in POLICIES if p != STATIC_BEST or len(pools) > 1]
+
+
 def run_all(names: Sequence[str], seeds: int, duration: float | None) -> dict[str, dict]:
     out: dict[str, dict[str, list[LoopResult]]] = {}
-    with progress("loop benchmark", len(names) * len(POLICIES) * seeds) as advance:
-        for name in names:
-            plan = scenario.load(name)
+    plans = {name: scenario.load(name) for name in names}
+    total = sum(len(policies(plan)) for plan in plans.values()) * seeds
+    with progress("loop benchmark", total) as advance:
+        for name, plan in plans.items():
             length = duration or plan.scenario.duration_seconds
             out[name] = {}
-            for policy in POLICIES:
+            for policy in policies(plan):
                 runs = []
                 for k in range(seeds):
                     runs.append(run_policy(plan, policy, plan.scenario.seed + k, length))
@@ -86,25 +99,14 @@ def run_all(names: Sequence[str], seeds: int, duration: float | None) -> dict[st
     return out
 
 
-def split_plan(chat: Sequence[int]) -> Plan:
-    """pool-demand-shift with the chat pool on ``chat`` and the code pool on the other GPUs."""
-    document, _ = load_yaml(scenario.scenario_path(SHIFT))
-    gpus = sum(g["count"] for g in document["hardware"]["gpus"])
-    chat_spec, code_spec = document["workers"]
-    document["workers"] = [
-        {**chat_spec, "gpu": list(chat)},
-        {**code_spec, "gpu": [g for g in range(gpus) if g not in chat]},
-    ]
-    return scenario.plan(validate(Scenario, document, source=SHIFT), SHIFT)
-
-
 def run_splits(seeds: int) -> dict[str, dict[str, list[LoopResult]]]:
-    """Each static split under leastconn and the oracle."""
+    """Each static split of pool-demand-shift's GPUs under leastconn and the oracle."""
     out: dict[str, dict[str, list[LoopResult]]] = {}
-    with progress("static splits", len(SPLITS) * 2 * seeds) as advance:
-        for chat in SPLITS:
-            plan = split_plan(chat)
-            key = f"{len(chat)} chat + {len(plan.gpus) - len(chat)} code"
+    found = sorted(splits(scenario.load(SHIFT)), key=lambda p: len(p.workers_in("chat")))
+    with progress("static splits", len(found) * 2 * seeds) as advance:
+        for plan in found:
+            chat = len(plan.workers_in("chat"))
+            key = f"{chat} chat + {len(plan.gpus) - chat} code"
             out[key] = {}
             for policy in ("leastconn", "oracle"):
                 out[key][policy] = []
@@ -122,8 +124,8 @@ def split_report(splits: dict[str, dict[str, list[LoopResult]]]) -> list[str]:
     lines = [
         "",
         f"{SHIFT}, static splits of the four GPUs between the two pools (the shipped one is "
-        "2 + 2): p99 per pool, s, median over the seeds. Moving GPUs between the pools is "
-        "not built yet, so no controller row; the best split is the baseline it has to beat.",
+        "2 + 2): p99 per pool, s, median over the seeds. The static-best row above is, per "
+        "seed, the leastconn split whose highest p99 of a class is lowest.",
         "",
         "| split | policy | p99 chat (interactive) | p99 code | p99 all |",
         "|---|---|---|---|---|",
@@ -164,15 +166,16 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "baseline; the policy replaces its balance algorithm (`gpubalance bench loop`). "
         "`controller` is leastconn with the analyzer (queue baseline, capacity-model "
         "recommender) and the controller acting once per 30 s window, at the controller's "
-        "default guardrails except the breaker (every server may change: a re-weighting "
-        "moves them all, and the benchmark has no person to re-arm it). Latency: arrival to "
+        "default guardrails. Latency: arrival to "
         "answer of the answered requests, in seconds, per class where a scenario has two; "
-        "IWQ: idle-while-queued over the run, %; spread: largest minus smallest GPU's mean "
+        "IWQ: idle-while-queued over the run (the simulator's truth, below), %; spread: "
+        "largest minus smallest GPU's mean "
         "utilization, %; failed: rejected, out of KV memory or lost to a crash; recommended: "
         "the analyzer's recommendations by action over the run (in brackets the controller's "
         "refusals by reason: `unsupported_action` is one it does not carry out); actions: "
-        "applied by the controller (`set_weight`, `drain`, `maint`, `ready`), max/freeze: the "
-        "most actions one server took within one 60 s freeze. Medians over the seeds, except "
+        "applied by the controller (`set_weight`, `drain`, `maint`, `ready`, `move`: a GPU "
+        "moved to another pool), max/freeze: the most actions one server (or GPU, for moves) "
+        "took within one 60 s freeze. Medians over the seeds, except "
         "recommended and refused: totals over the seeds.",
         "",
         "| family | scenario | policy | p50 | p99 | p99 by class | IWQ | spread | failed | "
@@ -220,16 +223,35 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
             f"| {median(by_policy['round_robin'], p99) / c:.2f} "
             f"| {c / median(by_policy['leastconn'], p99):.2f} |"
         )
+    shifted = {name: by for name, by in results.items() if STATIC_BEST in by}
+    if shifted:
+        lines += [
+            "",
+            "Moving GPUs between pools (issue 9's Done-when: static-best / controller ≥ 2 for "
+            "the p99 of every pool):",
+            "",
+            "| scenario | class | static-best p99 | controller p99 | static-best / controller |",
+            "|---|---|---|---|---|",
+        ]
+        for name, by_policy in shifted.items():
+            for c in [c for c in by_policy["controller"][0].latency if c != ALL]:
+                best = median(by_policy[STATIC_BEST], lambda r, c=c: p99(r, c))
+                ctl = median(by_policy["controller"], lambda r, c=c: p99(r, c))
+                lines.append(f"| {name} | {c} | {_s(best)} | {_s(ctl)} | {best / ctl:.2f} |")
     lines += [
         "",
         "Reading it: the controller runs over leastconn, so its own effect is the last column; "
         "where the analyzer recommends nothing the controller can carry out (see "
         "`recommended`), its row is leastconn's. sticky-sessions-skew's skew comes from its "
         "hash policy (`sticky`), which every policy here replaces, so its rows show no skew "
-        "left to fix. Idle-while-queued counts a GPU's unfilled batch slots as idle while a "
-        "peer holds half a batch waiting, so it is not 0 even behind the oracle's central "
-        "queue: a worker takes up to a batch from it, which waits at the worker while the "
-        "batch before runs.",
+        "left to fix. Idle-while-queued is the run's truth from the simulator's timeline: "
+        "the share of GPU-time in which a GPU runs no batch while a request of its pool waits "
+        "in the pool's central queue or behind another GPU's running batch (a request waiting "
+        "for its own idle GPU's batch to fill is batching, not balance). Behind the oracle's "
+        "central queue it is low, not 0: the lab's oracle hands a request to the worker with "
+        "the fewest in flight, which may still run a batch while another GPU frees up sooner "
+        "(long outputs), and where the host is short of cores (host-bound) the workers' slots "
+        "fill with requests waiting for a core while their GPUs idle, under every policy.",
     ]
     return "\n".join(lines)
 
@@ -244,7 +266,7 @@ def plot(results: dict[str, dict]) -> None:
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(POLICIES)
     for i, policy in enumerate(POLICIES):
-        values = [median(results[n][policy], p99) for n in names]
+        values = [median(results[n].get(policy, []), p99) for n in names]
         ax.bar([k + i * width for k in range(len(names))], values, width, label=policy)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))])
     ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)

@@ -1,9 +1,10 @@
 """The audit log: one JSON line per decision, appended and flushed as it is taken.
 
 Each line holds `at_seconds`, `decision` (applied, dry_run, failed, rejected, waiting, met,
-breaker_tripped, rearmed, paused, resumed; for a worker's move also approved, step, and its
-end: moved, undone, failed, refused), `recommendation`, `target`, `action`, `reason`, `before`
-and `after`; a move's lines name it (`move`) and a step its `phase` (move or undo). It is also
+breaker_tripped, rearmed, paused, resumed, verified, undone; for a worker's move also approved,
+step, and its end: moved, undone, failed, refused), `recommendation`, `target`, `action`,
+`reason`, `before` and `after`; a move's lines name it (`move`) and a step its `phase` (move or
+undo). It is also
 the controller's memory of what it did, which HAProxy cannot show: at start the changes applied
 within the last hour (for the rate limit, the freezes and the breaker) and whether the breaker
 was left open are read back from it.
@@ -57,7 +58,7 @@ class AuditLog:
     def applied_since(self, since_seconds: float) -> list[Applied]:
         fields = ("at_seconds", "target", "recommendation", "action")
         return [
-            Applied(*(e[f] for f in fields))
+            Applied(*(e[f] for f in fields), e["before"] if _whole(e.get("before")) else None)
             for e in self.entries()
             if e.get("decision") == "applied"
             and all(f in e for f in fields)
@@ -79,3 +80,7 @@ class AuditLog:
             if e.get("decision") in ("breaker_tripped", "rearmed")
         ]
         return bool(last) and last[-1] == "breaker_tripped"
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

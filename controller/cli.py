@@ -93,6 +93,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--drain-timeout", type=float, default=d.drain_timeout_seconds)
     limits.add_argument("--breaker-share", type=float, default=d.breaker_share)
     limits.add_argument("--breaker-window", type=float, default=d.breaker_window_seconds)
+    limits.add_argument(
+        "--breaker-weight-share",
+        type=float,
+        default=d.breaker_weight_share,
+        help="a re-weighted server counts for the breaker once its share of the backend's "
+        "weight moved by more than this",
+    )
+    limits.add_argument(
+        "--undo-worse-ratio",
+        type=float,
+        default=d.undo_worse_ratio,
+        help="after its freeze, undo a recommendation whose backend's mean time in the system "
+        "grew more than this many times",
+    )
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -138,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_seconds=args.drain_timeout,
             breaker_share=args.breaker_share,
             breaker_window_seconds=args.breaker_window,
+            breaker_weight_share=args.breaker_weight_share,
+            undo_worse_ratio=args.undo_worse_ratio,
         )
         token = _token(args.token_file)
         workers = _workers(args.config)

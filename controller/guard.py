@@ -3,13 +3,18 @@
 Pure, like `plan`: it reads the changes, HAProxy's state, the changes already applied (from the
 audit log after a restart) and how many passes saw each recommendation. In order, a change
 waits while the controller is paused or its breaker is open, until its recommendation has been
-seen in `dwell_cycles` passes, while its server is frozen after another recommendation's change
-(`freeze_seconds`; one recommendation's own steps, a weight ramp or drain-then-maint, continue),
-and once `max_actions_per_hour` are spent. It is refused when it would leave a backend that
-serves with no server serving (the last ready, up, weighted server). The breaker trips when a
+seen in `dwell_cycles` passes (the loop counts a pass for each interval its evidence held),
+while its server is frozen after another recommendation's change (`freeze_seconds`; one
+recommendation's own steps, a weight ramp or drain-then-maint, continue), and once
+`max_actions_per_hour` are spent. It is refused when it would leave a backend that serves with
+no server serving (the last ready, up, weighted server). The breaker trips when a
 change would make more than `breaker_share` of the managed servers changed within
 `breaker_window_seconds`; a person re-arms it, and the changes before the re-arm no longer
-count.
+count. A drain, maint, ready or move changes its server; a re-weighting keeps every server
+serving and moves traffic, not capacity, so a server re-weighted within the period counts
+only when its weight went to or from 0, or its share of its backend's weight moved by more
+than `breaker_weight_share` since the period's first change (the weights before are in the
+history).
 """
 
 from __future__ import annotations
@@ -58,12 +63,12 @@ def guard(
 ) -> Guarded:
     now = observed.at_seconds
     spent = sum(1 for a in history if now - a.at_seconds < HOUR_SECONDS)
-    changed = {
-        a.key
+    recent = [
+        a
         for a in history
         if now - a.at_seconds < settings.breaker_window_seconds
         and a.at_seconds > rearmed_at_seconds
-    }
+    ]
     last: dict[str, Applied] = {}
     for applied in sorted(history, key=lambda a: a.at_seconds):
         last[applied.key] = applied
@@ -74,6 +79,7 @@ def guard(
     allowed: list[Change] = []
     refusals: list[Refusal] = []
     tripped: str | None = None
+    changed = _changed(recent, servers, settings.breaker_weight_share)
 
     def wait(
         change: Change, reason: RefusalReason, detail: str, ack: AckStatus | None = None
@@ -115,11 +121,11 @@ def guard(
                 ack="rejected",
             )
         elif (
-            change.key not in changed
-            and (len(changed) + 1) / max(len(servers), 1) > settings.breaker_share
+            len(grown := _changed_with(change, recent, servers, now, settings)) > len(changed)
+            and len(grown) / max(len(servers), 1) > settings.breaker_share
         ):
             tripped = (
-                f"{len(changed) + 1} of {len(servers)} servers changed within "
+                f"{len(grown)} of {len(servers)} servers changed within "
                 f"{settings.breaker_window_seconds:.0f} s would exceed "
                 f"{settings.breaker_share:.0%}; the breaker trips"
             )
@@ -127,11 +133,50 @@ def guard(
         else:
             allowed.append(change)
             spent += 1
-            changed.add(change.key)
+            recent.append(change.applied(now))
             after = _after(servers[change.key], change)
             serving[change.backend] += after.serving - servers[change.key].serving
             servers[change.key] = after
+            changed = _changed(recent, servers, settings.breaker_weight_share)
     return Guarded(allowed=tuple(allowed), refusals=tuple(refusals), tripped=tripped)
+
+
+def _changed_with(
+    change: Change,
+    recent: Sequence[Applied],
+    servers: Mapping[str, ObservedServer],
+    now: float,
+    settings: Settings,
+) -> set[str]:
+    """The servers changed within the breaker's period were ``change`` applied too."""
+    after = {**servers, change.key: _after(servers[change.key], change)}
+    return _changed([*recent, change.applied(now)], after, settings.breaker_weight_share)
+
+
+def _changed(
+    recent: Sequence[Applied], servers: Mapping[str, ObservedServer], weight_share: float
+) -> set[str]:
+    """The servers (and moved GPUs) the breaker counts as changed within its period."""
+    changed = {a.key for a in recent if a.action != "set_weight"}
+    start: dict[str, int] = {}  # each re-weighted server's weight before the period's first
+    for applied in sorted(recent, key=lambda a: a.at_seconds):
+        if applied.action == "set_weight" and applied.key in servers:
+            # a weight the history does not hold (an old audit log) counts the server as changed
+            start.setdefault(applied.key, -1 if applied.before is None else applied.before)
+    for key, first in start.items():
+        backend = servers[key].backend
+        pool = [s for s in servers.values() if s.backend == backend]
+        total_now = sum(s.weight for s in pool)
+        total_then = sum(max(start.get(s.key, s.weight), 0) for s in pool)
+        now_weight = servers[key].weight
+        moved = (
+            total_now > 0
+            and total_then > 0
+            and abs(now_weight / total_now - first / total_then) > weight_share
+        )
+        if first < 0 or (first == 0) != (now_weight == 0) or moved:
+            changed.add(key)
+    return changed
 
 
 def _empties_pool(server: ObservedServer, change: Change, serving: int) -> bool:

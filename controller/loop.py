@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,16 @@ from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.guard import HOUR_SECONDS, guard
 from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError
 from gpubalance.controller.metrics import Metrics
-from gpubalance.controller.model import Applied, Change, Refusal, Settings, observed_from
-from gpubalance.controller.plan import plan
+from gpubalance.controller.model import (
+    Applied,
+    Change,
+    Observed,
+    Refusal,
+    Settings,
+    observed_from,
+)
+from gpubalance.controller.plan import plan, plan_moves
+from gpubalance.controller.verify import Verdict, Verifier
 from gpubalance.diagnosis import AckStatus
 
 if TYPE_CHECKING:
@@ -93,6 +102,7 @@ class Controller:
         self._acked: set[str] = set()
         # (recommendation, target, decision, reason): a waiting decision is logged once
         self._said: set[tuple[str, str, str, str]] = set()
+        self.verifier = Verifier(settings.freeze_seconds, settings.undo_worse_ratio)
         metrics.dry_run.set(0 if settings.act else 1)
         metrics.breaker_tripped.set(1 if self.breaker_open else 0)
         metrics.paused.set(0)
@@ -155,6 +165,7 @@ class Controller:
             return self._source_failed("analyzer", now, exc)
         self.metrics.source_up.labels("analyzer").set(1)
         observed = observed_from(states, stats, now, self.settings.backends)
+        self.verifier.observe(observed)
         # what the analyzer no longer lists cannot come back to be logged or acked
         listed = {r.id for r in recommendations}
         if self.mover is not None:
@@ -167,7 +178,16 @@ class Controller:
             for r in recommendations
             if r.id not in self._acked and not any(a.by == self.identity for a in r.acks)
         ]
-        self._seen = {r.id: self._seen.get(r.id, 0) + 1 for r in open_recs}
+        # dwell: the passes that saw it, or as many intervals as its evidence has held (the
+        # analyzer dates it from the first of the windows that agree on it): a situation that
+        # already held that long needs no second wait, also after a restart
+        self._seen = {
+            r.id: max(
+                self._seen.get(r.id, 0) + 1,
+                math.floor((now - r.created_seconds) / self.settings.interval_seconds + 1e-9),
+            )
+            for r in open_recs
+        }
         self.history = [a for a in self.history if now - a.at_seconds < self._horizon]
         # with a mover, moves are its own; without one, plan refuses them as unsupported
         moving = self.mover is not None
@@ -177,6 +197,9 @@ class Controller:
 
         # plan, guard
         planned = plan(observed, others, self.history, self.settings)
+        moves, waiting_moves = plan_moves(
+            moves, observed, self.history, planned.changes, self.settings
+        )
         changes, held = self._hold_moving(planned.changes)
         guarded = guard(
             changes,
@@ -202,7 +225,7 @@ class Controller:
             log.error("blast-radius breaker tripped; no action until POST /api/v1/rearm")
 
         # record refusals and met recommendations, act
-        for refusal in (*planned.refusals, *held, *guarded.refusals):
+        for refusal in (*planned.refusals, *waiting_moves, *held, *guarded.refusals):
             await self._refuse(refusal, now)
             report.refused.append(f"{refusal.recommendation_id}: {refusal.reason}")
         for rec_id in planned.converged:
@@ -214,6 +237,9 @@ class Controller:
         for change in guarded.allowed:
             if await self._act(change, now):
                 report.applied.append(_describe(change))
+        if self.settings.act and not (self.paused or self.breaker_open):
+            for verdict in self.verifier.due(now):
+                report.applied += await self._verified(verdict, observed, now)
         if self.mover is not None:
             moved = await self.mover.run(
                 observed,
@@ -311,11 +337,47 @@ class Controller:
             self.audit.record(now, "failed", reason=str(exc), **fields)
             log.error("%s failed: %s", _describe(change), exc)
             return False
-        self.history.append(Applied(now, change.key, change.recommendation_id, change.action))
+        self.history.append(change.applied(now))
         self.metrics.actions.labels(change.action, "applied").inc()
         self.audit.record(now, "applied", reason=self.actuator.name, **fields)
         log.info("%s (%s)", _describe(change), change.recommendation_id)
+        self.verifier.applied(change, now)
         return True
+
+    async def _verified(self, verdict: Verdict, observed: Observed, now: float) -> list[str]:
+        """Record a recommendation's verification; undo it when it made its backend worse."""
+        rec_id = verdict.watch.recommendation_id
+        self.metrics.verifications.labels("undone" if verdict.worse else "kept").inc()
+        if not verdict.worse:
+            self.audit.record(now, "verified", recommendation=rec_id, reason=verdict.reason)
+            return []
+        undone = []
+        for change in verdict.watch.undo(observed):
+            fields = {"target": change.key, "action": change.action}
+            try:
+                await self.actuator.apply(change)
+            except ActuatorError as exc:
+                self.metrics.actions.labels(change.action, "failed").inc()
+                self.audit.record(now, "failed", recommendation=rec_id, reason=str(exc), **fields)
+                log.error("undo %s failed: %s", _describe(change), exc)
+                continue
+            self.history.append(change.applied(now))
+            self.metrics.actions.labels(change.action, "undone").inc()
+            self.audit.record(
+                now,
+                "undone",
+                recommendation=rec_id,
+                before=change.before,
+                after=change.value,
+                reason=verdict.reason,
+                **fields,
+            )
+            log.warning("%s: %s (%s)", rec_id, verdict.reason, _describe(change))
+            undone.append(f"undo: {_describe(change)}")
+        # acked, it is finished: the same recommendation is not carried out again
+        self._acked.discard(rec_id)
+        await self._ack(rec_id, "failed", verdict.reason)
+        return undone
 
     # a person's controls (the HTTP server checks the token)
 

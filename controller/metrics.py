@@ -17,7 +17,8 @@ class Metrics:
             "gpubalance_controller_actions",
             "Changes decided, by action (set_weight, drain, ready, maint; move, a worker's "
             "move to another pool, and its steps when one fails) and outcome (applied, "
-            "dry_run, failed)",
+            "dry_run, failed; undone: put back after its recommendation made its backend "
+            "slower)",
             ["action", "outcome"],
             registry=r,
         )
@@ -30,6 +31,15 @@ class Metrics:
         )
         for reason in REFUSAL_REASONS:
             self.refusals.labels(reason)
+        self.verifications = Counter(
+            "gpubalance_controller_verifications",
+            "Recommendations verified after their freeze, by result: kept, or undone when "
+            "their backend's mean time in the system grew past --undo-worse-ratio",
+            ["result"],
+            registry=r,
+        )
+        for result in ("kept", "undone"):
+            self.verifications.labels(result)
         self.breaker_tripped = Gauge(
             "gpubalance_controller_breaker_tripped",
             "1 while the blast-radius breaker is open (POST /api/v1/rearm closes it)",

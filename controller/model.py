@@ -57,6 +57,7 @@ class ObservedServer:
     sessions: int  # requests in flight now
     address: str = ""  # where HAProxy sends its requests
     port: int = 0
+    requests_total: int = 0  # requests served since HAProxy started (stot)
 
     @property
     def key(self) -> str:
@@ -106,6 +107,7 @@ def observed_from(
             # op_state 2 is running; a failing health check shows as DOWN in `show stat`
             up=state.op_state == 2 and not status.startswith("DOWN"),
             sessions=stat.scur if stat is not None else 0,
+            requests_total=stat.stot if stat is not None else 0,
             address=state.address,
             port=state.port,
         )
@@ -134,6 +136,11 @@ class Change:
         """The metric's action label: set_weight, drain, ready or maint."""
         return "set_weight" if self.kind == "set_weight" else str(self.value)
 
+    def applied(self, at_seconds: float) -> Applied:
+        """What the history holds of it once HAProxy took it."""
+        before = self.before if isinstance(self.before, int) else None
+        return Applied(at_seconds, self.key, self.recommendation_id, self.action, before)
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -158,6 +165,7 @@ class Applied:
     key: str  # backend/server
     recommendation_id: str
     action: str  # Change.action
+    before: int | None = None  # a set_weight's weight before it, which the breaker compares
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +193,12 @@ class Settings:
     drain_timeout_seconds: float = 120.0  # sessions must reach 0 before maint
     breaker_share: float = 0.5  # trips when more than this share of servers changed ...
     breaker_window_seconds: float = 300.0  # ... within this period
+    # a re-weighting keeps a server serving: it counts as a change for the breaker only once
+    # the server's share of its backend's weight moved by more than this within the period
+    breaker_weight_share: float = 0.25
+    # after a recommendation's freeze, undo it when its backend's mean time in the system grew
+    # more than this many times what it was before it
+    undo_worse_ratio: float = 1.25
 
     def __post_init__(self) -> None:
         if self.interval_seconds <= 0:
@@ -195,8 +209,12 @@ class Settings:
             raise ValueError(f"dwell {self.dwell_cycles} cycles must be at least 1")
         if not 0 < self.breaker_share <= 1:
             raise ValueError(f"breaker share {self.breaker_share} is outside (0, 1]")
+        if not 0 <= self.breaker_weight_share <= 1:
+            raise ValueError(f"breaker weight share {self.breaker_weight_share} is outside [0, 1]")
         for name in ("max_age_seconds", "freeze_seconds", "drain_timeout_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must not be negative")
+        if self.undo_worse_ratio < 1:
+            raise ValueError(f"undo worse ratio {self.undo_worse_ratio} must be at least 1")
         if self.max_actions_per_hour < 1:
             raise ValueError("max actions per hour must be at least 1")

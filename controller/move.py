@@ -159,6 +159,7 @@ class Act:
     detail: str = ""
     worker: WorkerProcess | None = None  # the one to stop, or (add_server, set_addr) to route to
     pool: str = ""  # start: the pool whose worker to start
+    weight: int | None = None  # add_server: what its new peers weigh (None: none serve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +257,11 @@ def next_step(
         return Wait(f"the {dest} worker of GPU {intent.gpu} loads (pid {worker.pid})")
     address = f"{worker.host}:{worker.port}"
     if there is None:
-        return Act("add_server", dest, name, address, worker)
+        # as its peers weigh now: a pool the controller re-weighted has left the config's
+        # weight behind, and a server added beside them at it would get too much or nothing
+        peers = sorted(s.weight for s in observed.pool(dest) if s.serving)
+        weight = peers[len(peers) // 2] if peers else None
+        return Act("add_server", dest, name, address, worker, weight=weight)
     if (there.address, there.port) != (worker.host, worker.port):
         return Act("set_addr", dest, name, f"{there.address}:{there.port} -> {address}", worker)
     if there.admin != "ready":

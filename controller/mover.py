@@ -343,8 +343,9 @@ class Mover:
         elif act.action in ("add_server", "set_addr"):
             assert act.worker is not None
             if act.action == "add_server":
+                weight = self.config.weight if act.weight is None else act.weight
                 await self.haproxy.add_server(
-                    act.backend, act.server, act.worker.host, act.worker.port, self.config.weight
+                    act.backend, act.server, act.worker.host, act.worker.port, weight
                 )
             else:
                 await self.haproxy.set_addr(

@@ -15,7 +15,11 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
   (failed after `Settings.drain_timeout_seconds`);
 - `add_worker`: the same targets, back to `ready`.
 
-Other actions (moves, pools, batching) are refused as unsupported by this controller. A
+`move_worker` goes to the mover (controller/mover.py) where a worker supervisor is configured;
+`plan_moves` checks it first: its `to` is a backend, or the analyzer's pool whose `to_workers`
+are servers of one backend; it waits while its GPU is frozen after another recommendation's
+move, and while a cheaper change is planned on the backend it leaves (the ladder's move
+rung). Without a supervisor it is refused as unsupported, as are pools and batching. A
 recommendation that is expired, stale, aimed at an unknown backend or server, or asks one server
 for two values at once together with another one, is refused with the reason. Within a backend
 the cheapest rung of the ladder (lowest `cost_rank`) goes first; dearer ones wait until it is
@@ -25,7 +29,7 @@ met.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpubalance.controller.haproxy import MAX_WEIGHT, AdminState
 from gpubalance.controller.model import (
@@ -325,3 +329,79 @@ def _step(
     return Change(
         "set_state", server.backend, server.server, state, server.admin, rec.id, rec.cost_rank
     )
+
+
+def plan_moves(
+    moves: Sequence[Recommendation],
+    observed: Observed,
+    history: Sequence[Applied],
+    changes: Sequence[Change],
+    settings: Settings,
+) -> tuple[list[Recommendation], list[Refusal]]:
+    """The `move_worker` recommendations the mover may admit now, `to` as the backend, and a
+    refusal or a wait for each of the others."""
+    passed: list[Recommendation] = []
+    refusals: list[Refusal] = []
+    for rec in moves:
+        checked = _move(rec, observed, history, changes, settings)
+        if isinstance(checked, Refusal):
+            refusals.append(checked)
+        else:
+            passed.append(checked)
+    return passed, refusals
+
+
+def _move(
+    rec: Recommendation,
+    observed: Observed,
+    history: Sequence[Applied],
+    changes: Sequence[Change],
+    settings: Settings,
+) -> Recommendation | Refusal:
+    now = observed.at_seconds
+
+    def refuse(reason: RefusalReason, detail: str, ack: bool = True) -> Refusal:
+        return Refusal(rec.id, reason, detail, "rejected" if ack else None, rec.target)
+
+    expired = _check(rec, now, settings)
+    if expired is not None:
+        return expired
+    to = rec.parameters.get("to")
+    if isinstance(to, str) and to not in observed.backends and "to_workers" in rec.parameters:
+        # the analyzer's pool, not a backend: the backend its workers are servers of
+        servers = _servers_named(rec.parameters.get("to_workers"), observed)
+        if isinstance(servers, str):
+            return refuse(
+                "unknown_target", f"move_worker to {to!r}: no such backend, and {servers}"
+            )
+        to = servers[0].backend
+        rec = replace(rec, parameters={**rec.parameters, "to": to})
+    gpu = rec.parameters.get("gpu")
+    frozen = [
+        a.at_seconds
+        for a in history
+        if a.key == f"gpu:{gpu}"
+        and a.recommendation_id != rec.id
+        and now - a.at_seconds < settings.freeze_seconds
+    ]
+    if frozen:
+        return refuse(
+            "frozen",
+            f"GPU {gpu} moved {now - max(frozen):.0f} s ago "
+            f"(freeze {settings.freeze_seconds:.0f} s)",
+            ack=False,
+        )
+    # the ladder on the backend it leaves: a pool being re-weighted or drained keeps its
+    # capacity until that is done; the one it joins gains a server whatever its weights
+    leaving = _servers_named(rec.parameters.get("workers"), observed)
+    touched = set() if isinstance(leaving, str) else {s.backend for s in leaving}
+    cheaper = sorted(
+        {c.backend for c in changes if c.backend in touched and c.cost_rank < rec.cost_rank}
+    )
+    if cheaper:
+        return refuse(
+            "ladder",
+            f"waits for the cheaper changes planned on {', '.join(cheaper)} to be made first",
+            ack=False,
+        )
+    return rec

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +41,12 @@ from gpubalance.analyzer.verdict import Classifier
 from gpubalance.controller.actuator import ActuatorError
 from gpubalance.controller.analyzer_client import AnalyzerError
 from gpubalance.controller.audit import AuditLog
-from gpubalance.controller.haproxy import MAX_WEIGHT, ServerStat, ServerState
+from gpubalance.controller.haproxy import MAX_WEIGHT, AdminState, ServerStat, ServerState
 from gpubalance.controller.loop import Controller, PassReport
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Change, Settings
+from gpubalance.controller.mover import Mover
+from gpubalance.controller.supervisor import SupervisorError, WorkerProcess, WorkersConfig
 from gpubalance.diagnosis import AckStatus, Recommendation
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun, WorkerState
 from gpubalance.telemetry import Sample
@@ -54,6 +57,9 @@ _ADMIN_BITS = {"ready": 0, "drain": 0x08, "maint": 0x01}
 # exporter's default 300 s of history, less than a Prometheus source can give; the capacity
 # model fits on what they hold
 HISTORY_WINDOWS = 20
+# while a move is in flight, the controller passes this often (simulated seconds): one step
+# of the move each, from drain to ready, as a live controller would at a short interval
+MOVE_STEP_SECONDS = 2.0
 # a pass runs just after a window's last sample (SimPy runs the events due at a time only
 # once the clock moves past it)
 _AFTER = 1e-6
@@ -86,6 +92,10 @@ class LabBalancer:
     def _admin(self, worker: WorkerState) -> str:
         return self.run.router.states.get(worker.name, "ready")
 
+    def _servers(self) -> list[WorkerState]:
+        """The workers whose server is in a pool now (a move takes it out, then adds it)."""
+        return [w for w in self.run.workers if w in self.run.pools[w.plan.pool]]
+
     def show_servers_state(self) -> list[ServerState]:
         return [
             ServerState(
@@ -98,7 +108,7 @@ class LabBalancer:
                 uweight=haproxy_weight(self.run.router.weight(w.name)),
                 iweight=self.initial[w.name],
             )
-            for w in self.run.workers
+            for w in self._servers()
         ]
 
     def show_stat(self) -> list[ServerStat]:
@@ -123,7 +133,7 @@ class LabBalancer:
                 qtime_seconds=None,
                 ttime_seconds=None,
             )
-            for w in self.run.workers
+            for w in self._servers()
         ]
 
 
@@ -135,22 +145,109 @@ class LabActuator:
     def __init__(self, run: FastRun) -> None:
         self.run = run
 
+    def _server(self, backend: str, server: str) -> WorkerState:
+        worker = self.run.by_name.get(server)
+        if (
+            worker is None
+            or backend_of(worker) != backend
+            or worker not in self.run.pools[worker.plan.pool]
+        ):
+            raise ActuatorError(f"the lab has no server {backend}/{server}")
+        return worker
+
     async def apply(self, change: Change) -> None:
-        worker = self.run.by_name.get(change.server)
-        if worker is None or backend_of(worker) != change.backend:
-            raise ActuatorError(f"the lab has no server {change.key}")
+        self._server(change.backend, change.server)
         router = self.run.router
         if change.kind == "set_weight":
             assert isinstance(change.value, int)
             if not 0 <= change.value <= MAX_WEIGHT:
                 raise ActuatorError(f"weight {change.value} of {change.key} is outside 0..256")
             router.weights[change.server] = float(change.value)
-        elif change.value == "ready":
-            router.states.pop(change.server, None)
-        elif change.value in ("drain", "maint"):
-            router.states[change.server] = str(change.value)
         else:
-            raise ActuatorError(f"state {change.value!r} of {change.key} is not ready|drain|maint")
+            await self.set_state(change.backend, change.server, change.value)  # type: ignore[arg-type]
+
+    # the runtime API's server commands, as the mover issues them (RuntimeApiActuator's)
+
+    async def set_state(self, backend: str, server: str, state: AdminState) -> None:
+        self._server(backend, server)
+        if state == "ready":
+            self.run.router.states.pop(server, None)
+        elif state in ("drain", "maint"):
+            self.run.router.states[server] = str(state)
+        else:
+            raise ActuatorError(f"state {state!r} of {backend}/{server} is not ready|drain|maint")
+
+    async def add_server(
+        self, backend: str, server: str, host: str, port: int, weight: int
+    ) -> None:
+        """As HAProxy's `add server`: in maint until `ready`."""
+        worker = self.run.by_name.get(server)
+        if worker is None or backend_of(worker) != backend:
+            raise ActuatorError(f"no worker {server} of backend {backend} runs in the lab")
+        if worker in self.run.pools[worker.plan.pool]:
+            raise ActuatorError(f"backend {backend} has a server {server} already")
+        self.run.router.states[server] = "maint"
+        self.run.router.weights[server] = float(weight)
+        self.run.add_server(server)
+
+    async def del_server(self, backend: str, server: str) -> None:
+        self._server(backend, server)
+        self.run.remove_server(server)
+
+    async def set_addr(self, backend: str, server: str, host: str, port: int) -> None:
+        self._server(backend, server)  # the lab's servers have no address to change
+
+
+class LabSupervisor:
+    """The worker supervisor's part on a fast-speed run: the GPUs' worker processes as the
+    supervisor observes them (`WorkerProcess`, its pool the backend it serves), started and
+    stopped in the simulation. A worker is ready once its model has loaded."""
+
+    def __init__(self, run: FastRun, state_dir: Path) -> None:
+        self.run = run
+        gpus = tuple(g.plan.index for g in run.gpus)
+        for gpu in gpus:
+            if run.worker_on(gpu).name != f"w{gpu}":
+                raise ValueError(f"moves need the lab's worker names w<gpu>; GPU {gpu} has another")
+        weights = sorted(haproxy_weight(run.router.weight(w.name)) for w in run.workers)
+        self.config = WorkersConfig(
+            command=("lab-worker", "{port}"),  # never run: the simulation starts workers
+            gpus=gpus,
+            server_name="w{gpu}",
+            # a move's load and its first health check, and a SIGTERM, in simulated time
+            ready_timeout_seconds=max(run.load_seconds(w) for w in run.plan.workers) * 3,
+            # a server added to a pool none of whose servers serve (the mover gives one its
+            # serving peers' weight otherwise)
+            weight=weights[len(weights) // 2],
+            state_dir=state_dir,
+        )
+
+    def _process(self, worker: WorkerState) -> WorkerProcess:
+        return WorkerProcess(
+            gpu=worker.plan.gpu,
+            pool=backend_of(worker),
+            pid=worker.pid,
+            host="127.0.0.1",
+            port=0,
+            started_seconds=ORIGIN_SECONDS + worker.started_seconds,
+            ready=worker.process in ("running", "stopping"),
+        )
+
+    async def observe(self, session: object) -> dict[int, WorkerProcess]:
+        return {w.plan.gpu: self._process(w) for w in self.run.workers if w.process != "stopped"}
+
+    def signal(self, worker: WorkerProcess, signum: int) -> None:
+        name = self.run.worker_on(worker.gpu).name
+        if signum == signal.SIGKILL:
+            self.run.kill_worker(name)
+        else:
+            self.run.stop_worker(name)
+
+    def start(self, gpu: int, pool: str) -> WorkerProcess:
+        try:
+            return self._process(self.run.start_worker(gpu, pool.removeprefix("be_")))
+        except ValueError as exc:
+            raise SupervisorError(str(exc)) from exc
 
 
 class RunSource:
@@ -208,17 +305,32 @@ class ClosedLoop:
     reports: list[PassReport] = dataclasses.field(default_factory=list)
     # every recommendation the analyzer made over the run: id -> action
     recommended: dict[str, str] = dataclasses.field(default_factory=dict)
+    move_step_seconds: float = MOVE_STEP_SECONDS
 
     def _next_window_end(self) -> float:
         now = self.run.env.now
         return (math.floor(now / self.window_seconds + 1e-9) + 1) * self.window_seconds
 
     def step(self) -> PassReport:
-        """Run to the end of the next window; the analyzer's cycle, then one controller pass."""
-        self.run.advance(self._next_window_end() + _AFTER)
+        """Run to the end of the next window; the analyzer's cycle, then one controller pass,
+        and while a move is in flight, a pass every `move_step_seconds` up to the window's
+        end (a move takes a step per pass)."""
+        end = self._next_window_end()
+        self.run.advance(end + _AFTER)
         self.service.cycle()
         for recommendation in self.service.recommendations().recommendations:
             self.recommended[recommendation.id] = recommendation.action
+        report = self._pass()
+        mover = self.controller.mover
+        while mover is not None and mover.in_flight() is not None:
+            at = self.run.env.now + self.move_step_seconds
+            if at >= self._next_window_end() or at > self.run.duration:
+                break
+            self.run.advance(at)
+            self._pass()
+        return report
+
+    def _pass(self) -> PassReport:
         report = asyncio.run(self.controller.run_once())
         self.reports.append(report)
         return report
@@ -237,10 +349,15 @@ def closed_loop(
     audit_path: Path,
     *,
     recommender: Recommender | None = None,
+    moves: bool | None = None,
 ) -> ClosedLoop:
     """Analyzer and controller on ``run`` (started: :meth:`FastRun.start`), one pass per
-    analysis window (the scenario's truth window, as `gpubalance.lab.apply` uses)."""
+    analysis window (the scenario's truth window, as `gpubalance.lab.apply` uses). With
+    ``moves`` (by default: when the scenario has more than one pool) the controller has a
+    mover, which moves GPUs between the pools through `LabSupervisor` and `LabActuator`."""
     window = run.scenario.truth_window_seconds
+    if moves is None:
+        moves = len(run.pools) > 1
 
     def clock() -> float:  # both read the simulated time, in Unix seconds as the frames carry
         return ORIGIN_SECONDS + run.env.now
@@ -252,13 +369,26 @@ def closed_loop(
         window_seconds=window,
         clock=clock,
     )
+    actuator = LabActuator(run)
+    audit, metrics = AuditLog(audit_path), Metrics()
+    mover = None
+    if moves:
+        mover = Mover(
+            LabSupervisor(run, audit_path.parent / "moves"),  # type: ignore[arg-type]
+            actuator,  # type: ignore[arg-type]  # RuntimeApiActuator's server commands
+            audit,
+            metrics,
+            settings,
+            None,  # type: ignore[arg-type]  # no HTTP: the lab's workers are not asked
+        )
     controller = Controller(
         LabBalancer(run),  # type: ignore[arg-type]  # RuntimeApi's reads, on the lab
-        LabActuator(run),
+        actuator,
         ServiceClient(service),  # type: ignore[arg-type]  # AnalyzerClient's two calls
-        AuditLog(audit_path),
-        Metrics(),
+        audit,
+        metrics,
         settings,
         clock=clock,
+        mover=mover,
     )
     return ClosedLoop(run, service, controller, window)

@@ -3,8 +3,11 @@
 One model with the live speed: the same request stream, routers, dynamic batcher (max batch
 size, max queue delay), service times (lab/model/service.py), KV allocator with fragmentation,
 host CPU cores and disk shared by the workers' preprocessing and data loading, throttle events,
-lost GPUs and crashed workers. Every `interval_seconds` it takes a telemetry sample in the
-exporter's types (gpubalance/telemetry.py), so what it emits reads like /api/v1/snapshot.
+lost GPUs and crashed workers, and worker moves: a GPU's worker stopped in one pool (no new
+requests, those in flight finish) and another pool's started on it, which serves nothing while
+its model loads (`load_seconds`) and until its server is added to the pool. Every
+`interval_seconds` it takes a telemetry sample in the exporter's types
+(gpubalance/telemetry.py), so what it emits reads like /api/v1/snapshot.
 Deterministic for a seed: no wall clock, no unordered iteration.
 """
 
@@ -13,7 +16,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import simpy
 
@@ -29,6 +33,11 @@ from gpubalance.telemetry import Sample
 ORIGIN_SECONDS = 1_700_000_000.0
 MIB = 1024 * 1024
 WORKER_PID_BASE = 30000  # simulated processes have no real PID: these stand in
+# a started worker's CUDA context, engine start-up and warm-up, on top of reading its weights
+START_UP_SECONDS = 5.0
+# a worker's process: serving (or ready to, once its server is in the pool), finishing its
+# requests in flight before it exits, gone, or loading its model
+Process = Literal["running", "stopping", "stopped", "loading"]
 
 
 @dataclass
@@ -58,6 +67,9 @@ class WorkerState:
     running: int = 0
     up: bool = True
     generation: int = 0  # bumped by a crash: completions scheduled before it are void
+    process: Process = "running"
+    started_seconds: float = 0.0  # when its process started (simulated)
+    pid: int = 0
     # requests a crash would fail, by id: in preprocessing, and in the running batch until each
     # one's completion (a batch outlives its shorter requests, which are answered already)
     preparing: dict[int, Request] = field(default_factory=dict)
@@ -87,8 +99,14 @@ class WorkerState:
         self.queue_area += len(self.queue) * (now - self.queue_since)
         self.queue_since = now
 
+    @property
+    def accepting(self) -> bool:
+        """Takes new requests: up, and not stopping."""
+        return self.up and self.process == "running"
+
     def __post_init__(self) -> None:
         self.name = self.plan.name
+        self.pid = self.pid or WORKER_PID_BASE + self.plan.index
 
 
 @dataclass
@@ -120,32 +138,42 @@ class FastRun:
         self.disk_mb_per_second = host.disk_mb_per_second
         self.router = Router(self.scenario.router.policy, self.scenario.router.weights, seed)
         self.gpus = [GpuState(g, simpy.Resource(env, capacity=1)) for g in plan.gpus]
-        self.workers = [
-            WorkerState(
-                plan=w,
-                gpu=self.gpus[w.gpu],
-                service=ServiceModel(
-                    plan.gpus[w.gpu].card, w.model.params_billions, w.model.bytes_per_param
-                ),
-                threads=simpy.Resource(env, capacity=w.preprocess.threads),
-                kv=KvRegion(w.kv_cache_bytes),
-                cpu_ms=w.preprocess.cpu_ms,
-                cpu_ms_per_1k=w.preprocess.cpu_ms_per_1k_prompt_tokens,
-            )
-            for w in plan.workers
-        ]
+        self.workers = [self._worker_state(w) for w in plan.workers]
         self.by_name = {w.name: w for w in self.workers}
-        classes = sorted({t.service_class for t in self.scenario.traffic})
-        for w in self.workers:
-            w.by_class = {c: [0, 0, 0.0, 0.0, 0] for c in classes if plan.pool_of(c) == w.plan.pool}
+        # what a worker started for a pool runs like: the pool's first planned worker
+        self.templates: dict[str, PlannedWorker] = {}
+        for w in plan.workers:
+            self.templates.setdefault(w.pool, w)
+        self.pids = WORKER_PID_BASE + len(plan.workers)  # the last PID given out
+        # the pools' servers, in order: whom the router may send a pool's requests
         self.pools: dict[str, list[WorkerState]] = {}
         for w in self.workers:
             self.pools.setdefault(w.plan.pool, []).append(w)
         self.central: dict[str, deque[Request]] = {p: deque() for p in self.pools}
         self.records: list[RequestRecord] = []
+        # when each request reached its worker, and that worker's batch queue, by id: where it
+        # waited, for the benchmark's idle-while-queued
+        self.admitted_at: dict[int, float] = {}
+        self.queued_at: dict[int, float] = {}
         self.samples: list[Sample] = []
         self.frames: list[dict[str, object]] = []
         self.telemetry = Telemetry(plan, "lab", ORIGIN_SECONDS)
+
+    def _worker_state(self, w: PlannedWorker) -> WorkerState:
+        classes = sorted({t.service_class for t in self.scenario.traffic})
+        state = WorkerState(
+            plan=w,
+            gpu=self.gpus[w.gpu],
+            service=ServiceModel(
+                self.plan.gpus[w.gpu].card, w.model.params_billions, w.model.bytes_per_param
+            ),
+            threads=simpy.Resource(self.env, capacity=w.preprocess.threads),
+            kv=KvRegion(w.kv_cache_bytes),
+            cpu_ms=w.preprocess.cpu_ms,
+            cpu_ms_per_1k=w.preprocess.cpu_ms_per_1k_prompt_tokens,
+        )
+        state.by_class = {c: [0, 0, 0.0, 0.0, 0] for c in classes if self.plan.pool_of(c) == w.pool}
+        return state
 
     # -- running ----------------------------------------------------------------------------
 
@@ -198,7 +226,7 @@ class FastRun:
             self._dispatch_pool(pool_name)
             return
         pool = self.pools[pool_name]
-        up = [w for w in pool if w.up and self.router.takes(w.name)]
+        up = [w for w in pool if w.accepting and self.router.takes(w.name)]
         if not up:
             self._reject(request, 0.0, pool_name)  # no server available: HAProxy answers 503
             return
@@ -218,7 +246,7 @@ class FastRun:
             free = [
                 w
                 for w in self.pools[pool_name]
-                if w.up and w.in_flight < w.plan.max_batch_size and self.router.takes(w.name)
+                if w.accepting and w.in_flight < w.plan.max_batch_size and self.router.takes(w.name)
             ]
             if not free:
                 return
@@ -241,6 +269,7 @@ class FastRun:
         )
 
     def _admit(self, request: Request, worker: WorkerState) -> None:
+        self.admitted_at[request.id] = self.env.now
         worker.in_flight += 1
         cpu = (worker.cpu_ms + worker.cpu_ms_per_1k * request.prompt_tokens / 1000) / 1000
         if cpu > 0 or worker.plan.io_mb_per_request > 0:
@@ -279,6 +308,7 @@ class FastRun:
         self._enqueue(request, worker)
 
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
+        self.queued_at[request.id] = self.env.now
         worker.account_queue(self.env.now)
         worker.queue.append((request, self.env.now))
         if request.service_class in worker.by_class:
@@ -398,7 +428,9 @@ class FastRun:
         self._freed(worker)
 
     def _freed(self, worker: WorkerState) -> None:
-        if self.scenario.router.policy == "pooled":
+        if worker.process == "stopping" and worker.in_flight == 0:
+            self._exited(worker)
+        elif self.scenario.router.policy == "pooled":
             self._dispatch_pool(worker.plan.pool)
 
     def _fail_worker(self, worker: WorkerState) -> None:
@@ -424,6 +456,87 @@ class FastRun:
         worker.up = False
         if worker.wake is not None and not worker.wake.triggered:
             worker.wake.succeed()
+
+    # -- worker moves -----------------------------------------------------------------------------
+
+    def load_seconds(self, worker: PlannedWorker) -> float:
+        """How long a started worker serves nothing: its weights read from the host's disk,
+        then the engine's start-up."""
+        return worker.model.weights_bytes / (self.disk_mb_per_second * MIB) + START_UP_SECONDS
+
+    def worker_on(self, gpu: int) -> WorkerState:
+        """The GPU's worker process (stopped, if a move stopped it and started none yet)."""
+        found = [w for w in self.workers if w.plan.gpu == gpu]
+        if len(found) != 1:
+            raise ValueError(f"GPU {gpu} has {len(found)} workers; moves need one per GPU")
+        return found[0]
+
+    def remove_server(self, name: str) -> None:
+        """The worker's server leaves its pool: the router sends it nothing more."""
+        worker = self.by_name[name]
+        pool = self.pools[worker.plan.pool]
+        if worker in pool:
+            pool.remove(worker)
+
+    def add_server(self, name: str) -> None:
+        """The worker's server joins its pool (the router's admin state and weight apply)."""
+        worker = self.by_name[name]
+        pool = self.pools[worker.plan.pool]
+        if worker not in pool:
+            pool.append(worker)
+            pool.sort(key=lambda w: w.plan.gpu)
+        self._freed(worker)  # pooled: the central queue has work for it now
+
+    def stop_worker(self, name: str) -> None:
+        """SIGTERM: the worker takes no new requests, finishes those in flight, then exits
+        (its server stays in the pool, down, until it is removed)."""
+        worker = self.by_name[name]
+        if worker.process in ("stopped", "stopping"):
+            return
+        if worker.process == "loading" or worker.in_flight == 0:
+            self._exited(worker)
+        else:
+            worker.process = "stopping"
+
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL: what the worker holds fails now."""
+        worker = self.by_name[name]
+        if worker.process != "stopped":
+            self._fail_worker(worker)
+            self._exited(worker)
+
+    def _exited(self, worker: WorkerState) -> None:
+        worker.process = "stopped"
+        worker.up = False
+
+    def start_worker(self, gpu: int, pool: str) -> WorkerState:
+        """Start the worker of ``pool`` on ``gpu``, whose own has exited: it loads its model
+        for `load_seconds`, then is ready; it serves once its server is added (`add_server`)."""
+        if pool not in self.templates:
+            raise ValueError(f"pool {pool!r} is not among the scenario's {sorted(self.templates)}")
+        old = self.worker_on(gpu)
+        if old.process != "stopped":
+            raise ValueError(f"GPU {gpu}'s worker {old.name} is {old.process}, not stopped")
+        planned = placed(self.plan, self.templates[pool], gpu, old.name, old.plan.index)
+        worker = self._worker_state(planned)
+        self.pids += 1
+        worker.pid = self.pids
+        worker.process, worker.up = "loading", False
+        worker.started_seconds = self.env.now
+        at = self.workers.index(old)
+        self.workers[at] = worker
+        self.by_name[worker.name] = worker
+        self.plan = replace(self.plan, workers=tuple(w.plan for w in self.workers))
+        self.telemetry.replace(self.plan, worker.name)
+        self.env.process(self._batcher(worker))
+        self.env.process(self._load(worker))
+        return worker
+
+    def _load(self, worker: WorkerState) -> Iterator[simpy.Event]:
+        yield self.env.timeout(self.load_seconds(worker.plan))
+        if worker.process == "loading" and not worker.gpu.lost:
+            worker.process, worker.up = "running", True
+            self._freed(worker)
 
     # -- scenario events ------------------------------------------------------------------------
 
@@ -509,8 +622,9 @@ class FastRun:
     def _figures(self, w: WorkerState) -> WorkerFigures:
         return WorkerFigures(
             name=w.name,
-            pid=WORKER_PID_BASE + w.plan.index,
+            pid=w.pid,
             up=w.up,
+            present=w.process != "stopped" and w.process != "loading",
             busy_seconds=0.0,  # the GPU's busy time is counted per GPU here
             queue_depth=len(w.queue),
             queue_area=self._queue_area(w),
@@ -531,12 +645,23 @@ class FastRun:
             disk_wait_seconds=w.disk_wait_seconds,
             disk_busy_seconds=w.disk_busy_seconds,
             disk_reads=w.disk_reads,
-            create_time_seconds=ORIGIN_SECONDS,
+            create_time_seconds=ORIGIN_SECONDS + w.started_seconds,
             classes=tuple(
                 ClassFigures(c, int(n[0]), int(n[1]), n[2], n[3], int(n[4]))
                 for c, n in w.by_class.items()
             ),
         )
+
+
+def placed(plan: Plan, template: PlannedWorker, gpu: int, name: str, index: int) -> PlannedWorker:
+    """A worker like ``template`` (its pool's model, batching, preprocessing) alone on ``gpu``:
+    the template's KV cache on the same card, else what the model's weights leave of it."""
+    card = plan.gpus[gpu].card
+    kv = template.kv_cache_bytes
+    if card != plan.gpus[template.gpu].card:
+        model = template.model
+        kv = card.memory_total_bytes - model.weights_bytes - model.overhead_mib * MIB
+    return replace(template, name=name, index=index, gpu=gpu, kv_cache_bytes=kv)
 
 
 def simulate(

@@ -75,6 +75,9 @@ class WorkerFigures:
     disk_reads: int = 0
     batch_delay_count: int = 0  # requests that started a batch
     queue_area: float = 0.0  # integral of the queue length over time (request-seconds)
+    # a process at all: a worker a move stopped, or one still loading its model, has no
+    # serving endpoint to read
+    present: bool = True
     # per service class, where the worker counts them apart (the fast speed): one serving
     # queue series per class, as a server with per-class queues (priorities) reports them
     classes: tuple[ClassFigures, ...] = ()
@@ -108,6 +111,11 @@ class Telemetry:
         self._last_waits = (0.0, 0.0)
         self._last_disk_busy = 0.0
 
+    def replace(self, plan: Plan, worker: str) -> None:
+        """A move started a new process as ``worker``: its counts start again from 0."""
+        self.plan = plan
+        self._last.pop(worker, None)
+
     def sample(
         self,
         end: float,
@@ -129,6 +137,8 @@ class Telemetry:
             frames.append(self._frame(end, period, gpu, mine, figures, reading, gpu.index in lost))
             for w in mine:
                 f = figures[w.name]
+                if not f.present:
+                    continue
                 if f.up:
                     processes[f.pid] = ProcessHostStats(
                         pid=f.pid,

@@ -11,13 +11,25 @@ changing them, are left out):
 - `random2`: the fewer in flight of two random servers;
 - `controller`: leastconn, with the analyzer and the controller acting on it every analysis
   window (`gpubalance.lab.control`);
-- `oracle`: one central queue per pool that every worker pulls from when it has room.
+- `oracle`: one central queue per pool that every worker pulls from when it has room;
+- `static-best`: where GPUs serve two pools or more, one worker each: every split of the GPUs
+  between the pools (each pool one GPU at least; GPUs of one card alike) under leastconn, and
+  the split whose highest p99 of a class is lowest, the baseline a controller that moves GPUs
+  between pools has to beat (its `placement` says which split).
 
 Figures: p50 and p99 latency (arrival to answer, answered requests) per traffic class and
 overall; requests failed (rejected, out of KV memory, lost to a crash); idle-while-queued over
-the run (`analyzer.verdict.idle_while_queued_ratio`); utilization spread (the largest minus the
-smallest GPU's mean utilization); the controller's actions by kind, and the most actions any
-one server took within one freeze period.
+the run (below); utilization spread (the largest minus the smallest GPU's mean utilization);
+the controller's actions by kind, and the most actions any one server took within one freeze
+period.
+
+**Idle-while-queued** is the run's truth, from the simulator's timeline, not the analyzer's
+estimate from window means: the share of the GPUs' time in which a GPU runs no batch while a
+request it could serve (one of its pool's) waits, either in the pool's central queue or in
+another GPU's batch queue behind the batch that GPU runs. A request waiting for its own idle
+GPU's batch to fill, or for a host core before it reaches a batch queue, is batching or the
+host, not balance, and does not count. One central queue keeps it near 0 (only a dispatch that
+hands a worker requests it cannot start at once leaves some).
 """
 
 from __future__ import annotations
@@ -25,12 +37,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +56,9 @@ from gpubalance.arguments import seconds, seed
 if TYPE_CHECKING:  # the modules load when a run needs them: `gpubalance --help` stays quick
     from gpubalance.analyzer.verdict import Classifier
     from gpubalance.controller.model import Settings
-    from gpubalance.lab.fast import RunResult
+    from gpubalance.lab.fast import FastRun, RunResult
     from gpubalance.lab.scenario import Plan
+    from gpubalance.lab.workload import RequestRecord
     from gpubalance.telemetry import Sample
 
 POLICIES: dict[str, str] = {
@@ -52,7 +67,9 @@ POLICIES: dict[str, str] = {
     "random2": "random_of_2",
     "controller": "least_connections",
     "oracle": "pooled",
+    "static-best": "least_connections",
 }
+STATIC_BEST = "static-best"  # leastconn on the best static split of the GPUs between pools
 ALL = "all"  # the latency row over every class
 REFUSED = frozenset({"rejected", "waiting", "failed"})  # the audit log's refusals
 
@@ -79,24 +96,21 @@ class LoopResult:
     latency: dict[str, Latency]  # per traffic class, and ALL
     idle_while_queued_ratio: float | None
     utilization_spread_ratio: float | None
-    actions: dict[str, int] = field(default_factory=dict)  # applied, by action
+    actions: dict[str, int] = field(default_factory=dict)  # applied, by action; and undone
     # the analyzer's recommendations over the run, by action, and the controller's refusals
     # of them, by reason (each recommendation and reason once)
     recommended: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
     max_actions_per_freeze: int = 0  # on any one server within freeze_seconds
     passes: int = 0
+    placement: dict[str, list[int]] = field(default_factory=dict)  # static-best: pool -> GPUs
 
 
 def bench_settings(window_seconds: float) -> Settings:
-    """The controller's settings in the benchmark: its defaults, acting, one pass a window.
-
-    The breaker is the exception: a re-weighting moves every server of a pool, which the
-    default breaker (half the servers within 5 minutes) stops for a person to re-arm; the
-    benchmark has no person, so it counts every server."""
+    """The controller's settings in the benchmark: its defaults, acting, one pass a window."""
     from gpubalance.controller.model import Settings
 
-    return Settings(act=True, interval_seconds=window_seconds, breaker_share=1.0)
+    return Settings(act=True, interval_seconds=window_seconds)
 
 
 def bench_plan(plan: Plan, policy: str) -> Plan:
@@ -134,6 +148,8 @@ def run_policy(
     from gpubalance.lab.control import closed_loop
     from gpubalance.lab.fast import FastRun
 
+    if policy == STATIC_BEST:
+        return _static_best(plan, seed_value, duration_seconds, on_sample)
     changed = bench_plan(plan, policy)
     scenario = changed.scenario
     requests = traffic.generate(scenario.traffic, duration_seconds, seed_value)
@@ -154,16 +170,19 @@ def run_policy(
             passes = len(loop.reports)
             recommended = loop.recommended
     result = run.finish()
-    figures = _figures(changed, policy, seed_value, duration_seconds, result)
+    figures = _figures(changed, policy, seed_value, duration_seconds, run, result)
     refused = {
         (e["recommendation"], str(e["reason"]).split(":")[0])
         for e in audit
         if e.get("decision") in REFUSED
     }
     applied = [e for e in audit if e.get("decision") == "applied"]
+    actions = Counter(str(e["action"]) for e in applied)
+    # the changes put back after their recommendation made the pool slower
+    actions.update("undone" for e in audit if e.get("decision") == "undone")
     return dataclasses.replace(
         figures,
-        actions=dict(sorted(Counter(str(e["action"]) for e in applied).items())),
+        actions=dict(sorted(actions.items())),
         recommended=dict(sorted(Counter(recommended.values()).items())),
         refused=dict(sorted(Counter(reason for _, reason in refused).items())),
         max_actions_per_freeze=_most_per_freeze(applied, settings),
@@ -171,13 +190,59 @@ def run_policy(
     )
 
 
+def splits(plan: Plan) -> list[Plan]:
+    """Every split of the plan's GPUs between its pools, each pool on one GPU or more, each GPU
+    a worker like its pool's first (`lab.fast.placed`); splits that give each pool the same
+    cards are one."""
+    from gpubalance.lab.fast import placed
+
+    pools = sorted({w.pool for w in plan.workers})
+    ok = len(pools) > 1 and sorted(w.gpu for w in plan.workers) == [g.index for g in plan.gpus]
+    if not ok:
+        raise BenchError(
+            f"--policy {STATIC_BEST}: needs GPUs serving two pools or more, one worker each; "
+            f"{plan.scenario.name} has {len(pools)} pool(s), {len(plan.workers)} workers on "
+            f"{len(plan.gpus)} GPUs"
+        )
+    templates = {pool: plan.workers_in(pool)[0] for pool in pools}
+    out: dict[tuple[tuple[str, ...], ...], Plan] = {}
+    for choice in itertools.product(pools, repeat=len(plan.gpus)):
+        if set(choice) != set(pools):
+            continue
+        cards = tuple(
+            tuple(sorted(plan.gpus[g].card.model for g, p in enumerate(choice) if p == pool))
+            for pool in pools
+        )
+        workers = tuple(
+            placed(plan, templates[pool], gpu, f"w{gpu}", gpu) for gpu, pool in enumerate(choice)
+        )
+        out.setdefault(cards, dataclasses.replace(plan, workers=workers))
+    return list(out.values())
+
+
+def _static_best(
+    plan: Plan, seed_value: int, duration: float, on_sample: Callable[[Sample], None] | None
+) -> LoopResult:
+    best: tuple[float, LoopResult] | None = None
+    for split in splits(plan):
+        result = run_policy(split, "leastconn", seed_value, duration, on_sample=on_sample)
+        worst = max(
+            (v.p99_seconds for c, v in result.latency.items() if c != ALL and v.p99_seconds),
+            default=math.inf,
+        )
+        if best is None or worst < best[0]:
+            pools = sorted({w.pool for w in split.workers})
+            placement = {p: [w.gpu for w in split.workers_in(p)] for p in pools}
+            best = (worst, dataclasses.replace(result, policy=STATIC_BEST, placement=placement))
+    assert best is not None
+    return best[1]
+
+
 def _figures(
-    plan: Plan, policy: str, seed_value: int, duration: float, result: RunResult
+    plan: Plan, policy: str, seed_value: int, duration: float, run: FastRun, result: RunResult
 ) -> LoopResult:
     """What the run's requests and telemetry say, whoever balanced it."""
-    from gpubalance.analyzer.features import FeatureBuilder
     from gpubalance.analyzer.frames import frames_from_samples
-    from gpubalance.analyzer.verdict import idle_while_queued_ratio
     from gpubalance.lab.fast import ORIGIN_SECONDS
 
     scenario = plan.scenario
@@ -197,7 +262,6 @@ def _figures(
             origin=ORIGIN_SECONDS,
         )
     )
-    table = FeatureBuilder().transform(frames) if frames else None
     per_gpu: dict[int, list[float]] = {}
     for frame in frames:
         if frame.utilization_mean_ratio is not None:
@@ -211,9 +275,122 @@ def _figures(
         requests=len(result.records),
         failed=sum(1 for r in result.records if r.outcome != "ok"),
         latency=latency,
-        idle_while_queued_ratio=None if table is None else idle_while_queued_ratio(table),
+        idle_while_queued_ratio=run_idle_while_queued(plan, run, result.records),
         utilization_spread_ratio=max(means) - min(means) if means else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A request waiting to be served from `start_seconds` to `end_seconds`."""
+
+    start_seconds: float
+    end_seconds: float
+    pool: str
+    gpu: int | None  # the GPU whose batch queue it waits in; None: the pool's central queue
+
+
+Interval = tuple[float, float]
+
+
+def idle_while_queued(
+    busy: Mapping[int, Sequence[Interval]],
+    waits: Sequence[Wait],
+    pools: Mapping[int, frozenset[str]],
+    duration_seconds: float,
+) -> float | None:
+    """The share of the GPUs' time over [0, duration] in which a GPU ran no batch while a
+    request of one of its pools waited for a GPU: in the pool's queue, or at another GPU while
+    that GPU ran a batch (``busy``: each GPU's batches as (start, end); ``pools``: the pools
+    each GPU serves). None without GPUs or time."""
+    if not pools or duration_seconds <= 0:
+        return None
+    ran = {g: _merged(busy.get(g, ()), duration_seconds) for g in pools}
+    # the stretches of each wait that another GPU could have taken
+    takeable: list[tuple[Wait, list[Interval]]] = []
+    for wait in waits:
+        span = [(wait.start_seconds, wait.end_seconds)]
+        if wait.gpu is not None:
+            span = _intersect(_merged(span, duration_seconds), ran.get(wait.gpu, []))
+        takeable.append((wait, _merged(span, duration_seconds)))
+    idle = 0.0
+    for gpu, served in pools.items():
+        waiting = _merged(
+            [
+                piece
+                for wait, pieces in takeable
+                if wait.pool in served and wait.gpu != gpu
+                for piece in pieces
+            ],
+            duration_seconds,
+        )
+        idle += _length(waiting) - _length(_intersect(waiting, ran[gpu]))
+    return idle / (len(pools) * duration_seconds)
+
+
+def _merged(intervals: Iterable[Interval], duration: float) -> list[Interval]:
+    """Sorted, disjoint, within [0, duration]."""
+    out: list[Interval] = []
+    for start, end in sorted((max(0.0, a), min(duration, b)) for a, b in intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """Of two merged lists."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: Sequence[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def run_idle_while_queued(
+    plan: Plan, run: FastRun, records: Sequence[RequestRecord]
+) -> float | None:
+    """:func:`idle_while_queued` of a finished fast-speed run, from its requests' timeline."""
+    batches: dict[tuple[int, float], float] = {}  # a batch, (gpu, start): its longest request
+    waits: list[Wait] = []
+    for r in records:
+        pool = plan.pool_of(r.service_class)
+        if r.outcome == "ok" and r.gpu is not None and r.start_seconds is not None:
+            key = (r.gpu, r.start_seconds)
+            batches[key] = max(batches.get(key, r.start_seconds), r.end_seconds or 0.0)
+        admitted = run.admitted_at.get(r.id)
+        # in the pool's queue until a worker took it (at once, but behind the oracle's queue)
+        pool_end = admitted if admitted is not None else r.end_seconds
+        if pool_end is not None and pool_end > r.arrival_seconds:
+            waits.append(Wait(r.arrival_seconds, pool_end, pool, None))
+        queued = run.queued_at.get(r.id)
+        # then in its worker's batch queue until its batch began (or it ran out of KV memory);
+        # a request a crash failed may have been running, and is left out
+        served = (
+            r.start_seconds if r.outcome == "ok" else r.end_seconds if r.outcome == "oom" else None
+        )
+        if queued is not None and served is not None and r.gpu is not None:
+            waits.append(Wait(queued, served, pool, r.gpu))
+    busy: dict[int, list[Interval]] = {}
+    for (gpu, start), end in batches.items():
+        busy.setdefault(gpu, []).append((start, end))
+    pools: dict[int, frozenset[str]] = {}
+    for w in plan.workers:
+        pools[w.gpu] = pools.get(w.gpu, frozenset()) | {w.pool}
+    return idle_while_queued(busy, waits, pools, run.duration)
 
 
 def _latency(values: list[float]) -> Latency:
@@ -344,6 +521,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan, Classifier | None]:
         plan = scenario.load(args.scenario)
     except ConfigError as exc:
         raise BenchError(f"--scenario: {exc}") from None
+    if args.policy == STATIC_BEST:
+        splits(plan)  # says why it has none
     classifier: Classifier | None = None
     if args.model is not None:
         from gpubalance.analyzer import model
@@ -392,4 +571,9 @@ def format_result(result: LoopResult) -> str:
         ]
     else:
         lines.append("actions: none (no controller)")
+    if result.placement:
+        split = "; ".join(
+            f"{p}: GPUs {', '.join(map(str, g))}" for p, g in result.placement.items()
+        )
+        lines.append(f"best static split: {split}")
     return "\n".join(lines)

@@ -275,3 +275,117 @@ def test_bad_settings_are_named() -> None:
         Recommender(persistence_windows=0).recommend(diagnosis, table, 30.0)
     with pytest.raises(ValueError, match="target_rho"):
         Recommender(target_rho=1.5).recommend(diagnosis, table, 30.0)
+
+
+def test_peers_the_routing_starves_reweight_a_gpu_not_yet_judged_overloaded() -> None:
+    # GPU 0 takes most of the work, its queue still building: judged balanced so far, while
+    # its two peers idle for want of work the routing sends elsewhere
+    frames = []
+    for w in range(3):
+        frames += [
+            _frame(
+                0,
+                w,
+                utilization_mean_ratio=1.0,
+                queue_depth_mean=20.0,
+                batch_size_mean=8.0,
+                completions_per_second=10.0,
+                queue_depth_slope_per_second=0.5,
+            ),
+            _frame(1, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+            _frame(2, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+        ]
+    labels = {0: "balanced/none", 1: "starved/routing_skew", 2: "starved/routing_skew"}
+    found = _by_labels(frames, labels)
+    assert _actions(found) == [("set_weights", "pool:llama")]
+    weights = _shares(found[0])
+    assert weights["gpu:0"] == pytest.approx(weights["gpu:1"], rel=0.05)
+    # starved for want of demand, not for the routing: nothing to re-weight
+    idle = {0: "balanced/none", 1: "starved/low_demand", 2: "starved/low_demand"}
+    assert _by_labels(frames, idle) == ()
+
+
+# -- moves between pools ------------------------------------------------------------------------
+
+
+def _two_pools(windows: int = 3, quiet_rate: float = 1.0, busy: bool = True) -> list[GpuFrame]:
+    """GPUs 0-1 serve llama, saturated with a growing queue (10.5/s offered, 10/s served) when
+    ``busy``; GPUs 2-3 serve qwen at a fifth of their busy rate, GPU 3 a little more."""
+    frames = []
+    for w in range(windows):
+        for g in (0, 1):
+            figures: dict[str, object] = (
+                dict(
+                    utilization_mean_ratio=1.0,
+                    queue_depth_mean=20.0,
+                    batch_size_mean=8.0,
+                    completions_per_second=10.0,
+                    queue_depth_slope_per_second=0.5,
+                )
+                if busy
+                else {}
+            )
+            frames.append(_frame(g, w, workers=(f"w{g}",), **figures))
+        for g in (2, 3):
+            rate = quiet_rate * (1.2 if g == 3 else 1.0)
+            frames.append(
+                _frame(
+                    g,
+                    w,
+                    workers=(f"w{g}",),
+                    queue_names=("qwen",),
+                    utilization_mean_ratio=0.2 * rate,
+                    completions_per_second=rate,
+                )
+            )
+    return frames
+
+
+LABELS = {0: "overloaded/capacity_shortage", 1: "overloaded/capacity_shortage"} | {
+    2: "starved/low_demand",
+    3: "starved/low_demand",
+}
+
+
+def _moves(found: tuple[Recommendation, ...]) -> list[Recommendation]:
+    return [r for r in found if r.action == "move_worker"]
+
+
+def test_a_quiet_pools_least_loaded_gpu_moves_to_the_busy_pool() -> None:
+    moves = _moves(_by_labels(_two_pools(), LABELS))
+    assert [(m.target, m.parameters["to"]) for m in moves] == [("gpu:2", "llama")]
+    move = moves[0]
+    assert move.cost_rank == 5
+    assert move.parameters["gpu"] == 2 and move.parameters["pool"] == "qwen"
+    assert move.parameters["workers"] == ["w2"]
+    assert move.parameters["to_workers"] == ["w0", "w1"]
+    expected = move.expected
+    assert expected is not None
+    # llama: 21/s offered over two GPUs of 10/s, then three; qwen: 2.2/s over 2 GPUs of 5/s
+    # (their busy rate), then GPU 3 alone
+    assert expected.rho_before == pytest.approx({0: 1.05, 1: 1.05, 2: 0.22, 3: 0.22})
+    assert expected.rho_after == pytest.approx({0: 0.7, 1: 0.7, 2: 0.7, 3: 0.44})
+    assert expected.capacity_per_second[2] == pytest.approx(10.0)
+    assert "move GPU 2 to llama" in move.reason
+    # the same situation, the same id; the way back is another recommendation
+    assert _moves(_by_labels(_two_pools(4), LABELS))[0].id == move.id
+
+
+def test_no_move_leaves_the_quiet_pool_busier_than_the_busy_one_was_or_without_a_gpu() -> None:
+    # qwen at ρ 0.55 would be at 1.1 on one GPU, above llama's 1.05 now: the move would only
+    # move the overload
+    assert _moves(_by_labels(_two_pools(quiet_rate=2.5), LABELS)) == []
+    # a quiet pool of one GPU keeps it
+    alone = [f for f in _two_pools() if f.gpu != 3]
+    assert _moves(_by_labels(alone, LABELS)) == []
+
+
+def test_no_move_without_a_busy_pool_or_when_the_load_outlasts_the_prediction() -> None:
+    calm = dict.fromkeys(range(4), "balanced/none")
+    assert _moves(_by_labels(_two_pools(busy=False), calm)) == []
+    frames = _two_pools()
+    table = FeatureBuilder().transform(frames)
+    diagnosis = Verdicts(_Labels(LABELS)).diagnose(table)
+    slow = Recommender(move_load_seconds=120.0, ttl_seconds=120.0)
+    assert _moves(slow.recommend(diagnosis, table, frames[-1].t_end)) == []
+    assert _moves(Recommender().recommend(diagnosis, table, frames[-1].t_end))

@@ -132,6 +132,18 @@ def test_a_ready_worker_is_added_readdressed_readied_and_the_move_ends() -> None
     assert isinstance(done, Finished) and done.outcome == "moved"
 
 
+def test_a_server_joins_its_new_pool_at_the_weight_its_serving_peers_have() -> None:
+    ready = {1: worker("be_b", port=9001)}
+    move = intent(("move", "start", T0))
+    peers = (replace(server("be_b", "gpu2"), weight=33), replace(server("be_b", "gpu3"), weight=33))
+    add = next_step(move, seen(T0, GPU0, *peers), ready, LIMITS)
+    assert isinstance(add, Act) and (add.action, add.weight) == ("add_server", 33)
+    # a pool with none serving: the config's weight (the mover's default)
+    drained = replace(peers[0], admin="drain")
+    alone = next_step(move, seen(T0, GPU0, drained), ready, LIMITS)
+    assert isinstance(alone, Act) and alone.weight is None
+
+
 def test_the_intent_record_round_trips_and_a_broken_one_says_what_to_do(tmp_path: Path) -> None:
     store = IntentStore(tmp_path / "move.json")
     assert store.load() is None

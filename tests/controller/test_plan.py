@@ -22,7 +22,7 @@ from gpubalance.controller.model import (
     ObservedServer,
     Settings,
 )
-from gpubalance.controller.plan import plan
+from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.diagnosis import Recommendation
 
 NOW = 1_800_000_000.0
@@ -370,6 +370,40 @@ def test_guard_trips_the_breaker_past_the_share_of_changed_servers() -> None:
     assert [c.key for c in rearmed.allowed] == ["be/s2", "be/s3"] and rearmed.tripped is None
 
 
+def weight(key: str, value: int, before: int, rec_id: str = "r") -> Change:
+    backend, name = key.split("/")
+    return Change("set_weight", backend, name, value, before, rec_id)
+
+
+def test_a_reweighting_that_keeps_every_server_serving_does_not_trip_the_breaker() -> None:
+    # the default target: one server at 10 of 13, three at 1, each re-weighted in steps
+    skewed = observed(server("s0", weight=10), *(server(f"s{i}", weight=1) for i in (1, 2, 3)))
+    steps = [weight(f"be/s{i}", 33, 1) for i in (1, 2, 3)]
+    allowed, refused, tripped = run_guard(steps, skewed)
+    assert allowed == ["be/s1", "be/s2", "be/s3"] and refused == [] and not tripped
+    # the next passes, with those steps in the history: s0's share fell from 77 % to 9 %
+    history = [Applied(NOW - 60, c.key, "r", "set_weight", 1) for c in steps]
+    ramped = observed(server("s0", weight=10), *(server(f"s{i}", weight=33) for i in (1, 2, 3)))
+    more = [weight(f"be/s{i}", 65, 33) for i in (1, 2, 3)]
+    assert run_guard(more, ramped, history)[0] == ["be/s1", "be/s2", "be/s3"]
+
+
+def test_the_breaker_counts_a_reweighting_that_moves_much_of_a_pools_traffic() -> None:
+    history = [Applied(NOW - 100, "be/s0", "x", "drain")]
+    # s1 from a quarter of the pool's weight to 46 %: not yet counted (the drained s0 is)
+    heavy = weight("be/s1", 256, 100)
+    allowed, refused, tripped = run_guard([heavy], FOUR, history)
+    assert allowed == ["be/s1"] and not tripped
+    history.append(Applied(NOW - 50, "be/s1", "r", "set_weight", 100))
+    after = observed(server("s0"), server("s1", weight=256), server("s2"), server("s3"))
+    # s2 to 0 counts as a drain does, and puts s1 at 56 % of the weight: three of four
+    # changed would exceed half
+    allowed, refused, tripped = run_guard([weight("be/s2", 0, 100, "z")], after, history)
+    assert allowed == [] and tripped and refused == [("breaker_open", None)]
+    # a small re-weighting of a server not yet counted does not trip it
+    assert run_guard([weight("be/s2", 80, 100, "z")], after, history)[0] == ["be/s2"]
+
+
 def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
     from gpubalance.controller.actuator import ActuatorError
     from gpubalance.controller.agent import weight_percent
@@ -425,3 +459,61 @@ def test_analyzer_weights_the_controller_cannot_place_are_refused(
     assert result.changes == ()
     [refusal] = result.refusals
     assert found in refusal.detail, refusal.detail
+
+
+# -- moves: plan_moves before the mover ---------------------------------------------------------
+
+POOLS = (
+    server("w0", "be_chat"),
+    server("w1", "be_chat"),
+    server("w2", "be_code"),
+    server("w3", "be_code"),
+)
+
+
+def move(rec_id: str = "m", gpu: int = 2, **parameters: object) -> Recommendation:
+    asked = {"gpu": gpu, "workers": [f"w{gpu}"], "to": "llama", "to_workers": ["w0", "w1"]}
+    return rec(rec_id, "move_worker", f"gpu:{gpu}", {**asked, **parameters}, cost_rank=5)
+
+
+def test_a_move_to_the_analyzers_pool_goes_to_the_backend_of_its_workers() -> None:
+    passed, refused = plan_moves([move()], observed(*POOLS), [], [], Settings())
+    assert refused == []
+    assert [(r.id, r.parameters["to"]) for r in passed] == [("m", "be_chat")]
+    # a backend named as such stays as it is
+    passed, _ = plan_moves(
+        [move(to="be_chat", to_workers=[])], observed(*POOLS), [], [], Settings()
+    )
+    assert passed[0].parameters["to"] == "be_chat"
+
+
+def test_a_move_to_an_unknown_pool_or_an_expired_one_is_rejected() -> None:
+    stray = move("stray", to="mistral", to_workers=["w9"])
+    old = replace(move("old"), expires_seconds=NOW - 1)
+    passed, refused = plan_moves([stray, old], observed(*POOLS), [], [], Settings())
+    assert passed == []
+    reasons = {r.recommendation_id: (r.reason, r.ack) for r in refused}
+    assert reasons == {"stray": ("unknown_target", "rejected"), "old": ("expired", "rejected")}
+    assert "'mistral': no such backend" in next(r.detail for r in refused if r.reason != "expired")
+
+
+def test_a_moved_gpu_is_frozen_against_another_move_then_free() -> None:
+    back = move("back", to="qwen", to_workers=["w3"])
+    moved = [Applied(NOW - 30, "gpu:2", "m", "move")]
+    passed, refused = plan_moves([back], observed(*POOLS), moved, [], Settings())
+    assert passed == []
+    assert [(r.reason, r.ack) for r in refused] == [("frozen", None)]
+    # its own move is not frozen by itself, and after the freeze the way back is open
+    assert plan_moves([move()], observed(*POOLS), moved, [], Settings())[0]
+    later = observed(*POOLS, at=NOW + 31)
+    assert plan_moves([back], later, moved, [], Settings())[0]
+
+
+def test_a_move_waits_for_cheaper_changes_on_the_backend_it_leaves() -> None:
+    weight = Change("set_weight", "be_code", "w3", 90, 100, "r", cost_rank=0)
+    passed, refused = plan_moves([move()], observed(*POOLS), [], [weight], Settings())
+    assert passed == [] and [(r.reason, r.ack) for r in refused] == [("ladder", None)]
+    # the backend it joins, or another one, may change meanwhile
+    joins = Change("set_weight", "be_chat", "w0", 90, 100, "r", cost_rank=0)
+    elsewhere = Change("set_weight", "be_other", "x", 90, 100, "r", cost_rank=0)
+    assert plan_moves([move()], observed(*POOLS), [], [joins, elsewhere], Settings())[0]

@@ -430,3 +430,79 @@ def test_samples_have_the_exporter_types_and_window_works() -> None:
     assert served == pytest.approx(completed, rel=0.05)
     assert len(window.host.cpu_busy_ratio) == 8
     assert set(window.processes) == {30000, 30001}
+
+
+# -- worker moves ------------------------------------------------------------------------------
+
+
+def two_pools(duration: float = 60.0) -> dict[str, Any]:
+    """GPUs 0-1 serve pool a (model small), GPUs 2-3 pool b (model other), 5 requests/s each."""
+    data = spec(gpus=4, duration=duration, output={"kind": "fixed", "value": 128})
+    data["models"]["other"] = {"params_billions": 2.0}
+    data["workers"] = [
+        {"gpu": [0, 1], "model": "small", "max_batch_size": 8, "pool": "a"},
+        {"gpu": [2, 3], "model": "other", "max_batch_size": 8, "pool": "b"},
+    ]
+    data["router"] = {"pools": {"interactive": "a", "batch": "b"}}
+    second = copy.deepcopy(data["traffic"][0])
+    data["traffic"][0]["arrivals"]["rate"] = 5.0
+    second.update(name="jobs", arrivals={"kind": "poisson", "rate": 5.0})
+    data["traffic"].append({**second, "class": "batch"})
+    return data
+
+
+def test_a_moved_gpu_finishes_its_requests_loads_the_other_model_then_serves_another_pool() -> None:
+    p = plan(Scenario.model_validate(two_pools()))
+    requests = traffic.generate(p.scenario.traffic, 60.0, 1)
+    fast = FastRun(p, requests, 1, 60.0)
+    fast.start()
+    fast.advance(20.0)
+    w2 = fast.worker_on(2)
+    assert w2.in_flight > 0  # requests in flight when the move begins, which must finish
+    held = set(w2.current) | set(w2.preparing) | {r.id for r, _ in w2.queue}
+    fast.stop_worker("w2")
+    assert w2.process == "stopping"
+    fast.advance(25.0)
+    assert w2.process == "stopped" and w2.in_flight == 0
+    fast.remove_server("w2")
+    assert w2 not in fast.pools["b"]
+    stopped_at = max(r.end_seconds for r in fast.records if r.worker == "w2")
+    new = fast.start_worker(2, "a")
+    load = fast.load_seconds(new.plan)
+    assert new.plan.model_name == "small" and new.plan.pool == "a" and new.name == "w2"
+    assert load > 5.0
+    fast.add_server("w2")  # added at once: still it serves nothing while it loads
+    fast.advance(25.0 + load - 0.5)
+    assert new.process == "loading" and new.requests_done == 0 and new.in_flight == 0
+    fast.advance(45.0)
+    assert new.process == "running" and new.requests_done > 0
+    result = fast.finish()
+    assert_conserved(requests, result)
+    by_id = {r.id: r for r in result.records}
+    # what w2 held when it was stopped was answered, none failed
+    assert all(by_id[i].outcome == "ok" and by_id[i].worker == "w2" for i in held)
+    served = [r for r in result.records if r.worker == "w2" and r.start_seconds is not None]
+    assert {r.service_class for r in served if r.start_seconds > 25.0 + load} == {"interactive"}
+    assert not [r for r in served if stopped_at < r.start_seconds < 25.0 + load]
+    assert {r.outcome for r in result.records} == {"ok"}
+    # the telemetry shows GPU 2 serving pool a's model after the load, and no serving
+    # series of it while it had no process
+    queues = {
+        (s.timestamp_seconds - ORIGIN_SECONDS, x.queue)
+        for s in result.samples
+        for x in s.serving
+        if x.gpu_index == 2
+    }
+    assert {q for t, q in queues if t > 27.0 + load} == {"small"}
+    assert not {q for t, q in queues if stopped_at + 1 < t < 25.0 + load}
+
+
+def test_a_worker_is_started_only_on_a_gpu_whose_worker_has_stopped() -> None:
+    p = plan(Scenario.model_validate(two_pools()))
+    fast = FastRun(p, [], 1, 60.0)
+    fast.start()
+    with pytest.raises(ValueError, match="w2 is running, not stopped"):
+        fast.start_worker(2, "a")
+    fast.stop_worker("w2")
+    with pytest.raises(ValueError, match="pool 'c' is not among"):
+        fast.start_worker(2, "c")

@@ -4,10 +4,12 @@ and `gpubalance bench loop` on shipped scenarios (short real runs, no timed asse
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import run_on_terminal
@@ -18,8 +20,16 @@ from gpubalance.controller.actuator import ActuatorError
 from gpubalance.controller.model import Change, Settings, observed_from
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer, closed_loop
-from gpubalance.lab.fast import FastRun
-from gpubalance.lab.loop_bench import bench_plan, bench_settings, run_policy
+from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun
+from gpubalance.lab.loop_bench import (
+    LoopResult,
+    Wait,
+    bench_plan,
+    bench_settings,
+    idle_while_queued,
+    run_policy,
+    splits,
+)
 
 TWO_CARDS = """\
 name: two-cards
@@ -108,10 +118,14 @@ def test_a_drained_worker_takes_no_new_request(tmp_path: Path) -> None:
     assert _served_by(run, "w1", 40.0, 60.0) > 0
 
 
-def _default_target(settings: Settings, tmp_path: Path, passes: int) -> tuple[FastRun, list]:
+def _default_target(
+    settings: Settings, tmp_path: Path, passes: int, seed_value: int = 3, duration: float = 0.0
+) -> tuple[FastRun, list]:
+    """The first ``passes`` passes of a run of ``duration`` (default: as long as they take)."""
     plan = bench_plan(scenario.load("default-target"), "controller")
-    requests = traffic.generate(plan.scenario.traffic, 30.0 * passes, 3)
-    run = FastRun(plan, requests, 3, 30.0 * passes)
+    duration = duration or 30.0 * passes
+    requests = traffic.generate(plan.scenario.traffic, duration, seed_value)
+    run = FastRun(plan, requests, seed_value, duration)
     run.start()
     loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
     for _ in range(passes):
@@ -151,6 +165,30 @@ def test_the_controller_converges_without_oscillating(tmp_path: Path) -> None:
     assert all(len(set(signs)) == 1 for signs in moves.values()), moves
 
 
+def test_at_the_controllers_defaults_a_reweighting_never_trips_the_breaker(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(act=True, interval_seconds=30.0)
+    _, reports = _default_target(settings, tmp_path, 10)
+    entries = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    assert "breaker_tripped" not in {e["decision"] for e in entries}
+    # every server of the pool re-weighted, toward equal weights
+    assert {e["target"] for e in entries if e["decision"] == "applied"} == {
+        f"be_default/w{i}" for i in range(4)
+    }
+    assert any(r.met for r in reports), [r.refused for r in reports]
+
+
+def test_the_default_target_is_reweighted_as_soon_as_two_windows_agree(tmp_path: Path) -> None:
+    # seed 4: GPU 0's queue still builds in the first windows, so no GPU is judged overloaded
+    # yet, but its three peers are starved by the routing from the first window on
+    _, reports = _default_target(bench_settings(30.0), tmp_path, 2, seed_value=4, duration=600)
+    assert [r.recommendations for r in reports[:2]] == [0, 1]
+    # the recommendation's windows held two intervals when the pass first saw it: the dwell
+    # is met, and the re-weighting starts in that pass
+    assert len(reports[1].applied) == 4, reports[1].refused
+
+
 def test_on_a_skewed_scenario_the_controller_beats_round_robin() -> None:
     plan = scenario.load("default-target")
     rr = run_policy(plan, "round_robin", 3, 300.0)
@@ -165,6 +203,37 @@ def test_on_a_balanced_scenario_the_controller_does_nothing() -> None:
     result = run_policy(scenario.load("balanced-heterogeneous"), "controller", 1, 240.0)
     assert result.passes == 8
     assert result.actions == {}
+
+
+def test_idle_while_queued_counts_a_gpu_idle_while_work_it_could_take_waits() -> None:
+    # GPU 0 serves pools p and q, GPU 1 only p; ten seconds
+    busy = {0: [(0.0, 4.0), (4.0, 8.0)], 1: [(0.0, 2.0)]}
+    waits = [
+        Wait(1.0, 4.0, "p", 0),  # behind GPU 0's batch: GPU 1 idles for it from 2 to 4
+        Wait(6.0, 7.0, "p", 1),  # GPU 1 idle itself, filling a batch: batching, not balance
+        Wait(5.0, 6.0, "q", 0),  # GPU 1 cannot serve pool q
+        Wait(8.5, 9.5, "p", None),  # the pool's queue with both idle: each counts 1 s
+    ]
+    pools = {0: frozenset({"p", "q"}), 1: frozenset({"p"})}
+    assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx((2 + 1 + 1) / 20)
+    # waits that overlap count their time once; time past the run does not count
+    assert idle_while_queued(
+        busy,
+        [Wait(1.0, 4.0, "p", 0), Wait(3.0, 4.0, "p", 0), Wait(9.0, 12.0, "p", None)],
+        pools,
+        10.0,
+    ) == pytest.approx((2 + 1 + 1) / 20)
+    assert idle_while_queued(busy, waits, {}, 10.0) is None
+
+
+def test_behind_one_central_queue_no_gpu_idles_while_work_waits() -> None:
+    plan = scenario.load("skewed-heterogeneous")
+    oracle = run_policy(plan, "oracle", 1, 300.0)
+    rr = run_policy(plan, "round_robin", 1, 300.0)
+    assert oracle.idle_while_queued_ratio is not None and rr.idle_while_queued_ratio is not None
+    assert oracle.idle_while_queued_ratio <= 0.02
+    # weighted round robin holds work at the default target while the peers idle
+    assert rr.idle_while_queued_ratio > 0.1
 
 
 def test_bench_loop_prints_one_json_object(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -185,7 +254,12 @@ def test_bench_loop_prints_one_json_object(tmp_path: Path, capsys: pytest.Captur
         (
             ["--scenario", "default-target", "--policy", "fastest"],
             "--policy 'fastest': unknown; one of round_robin, leastconn, random2, controller, "
-            "oracle",
+            "oracle, static-best",
+        ),
+        (
+            ["--scenario", "default-target", "--policy", "static-best"],
+            "--policy static-best: needs GPUs serving two pools or more, one worker each; "
+            "default-target has 1 pool(s)",
         ),
         (
             ["--scenario", "default-target", "--policy", "oracle", "--model", "/nonexistent"],
@@ -214,3 +288,166 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path: Path) -> None
     piped = subprocess.run(command, capture_output=True, timeout=120, check=True)
     assert piped.stderr == b""
     assert json.loads(piped.stdout)["policy"] == "controller"
+
+
+TWO_POOLS = """\
+name: two-pools
+description: "four RTX 4090s, two pools of two; chat busy, code quiet"
+duration_seconds: 120
+truth_window_seconds: 10
+hardware:
+  gpus:
+    - {card: RTX 4090, count: 4}
+models:
+  small:
+    params_billions: 3.21
+  other:
+    params_billions: 1.5
+workers:
+  - {gpu: [0, 1], model: small, pool: chat}
+  - {gpu: [2, 3], model: other, pool: code}
+router:
+  policy: least_connections
+  pools: {interactive: chat, code: code}
+traffic:
+  - name: chat
+    class: interactive
+    arrivals: {kind: poisson, rate: 8}
+    prompt_tokens: {kind: fixed, value: 128}
+    output_tokens: {kind: fixed, value: 64}
+  - name: code
+    class: code
+    arrivals: {kind: poisson, rate: 2}
+    prompt_tokens: {kind: fixed, value: 128}
+    output_tokens: {kind: fixed, value: 64}
+"""
+
+
+def test_the_lab_carries_a_move_through_the_controllers_mover(tmp_path: Path) -> None:
+    path = tmp_path / "two-pools.yaml"
+    path.write_text(TWO_POOLS)
+    plan = bench_plan(scenario.load(str(path)), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 120.0, 1)
+    run = FastRun(plan, requests, 1, 120.0)
+    run.start()
+    settings = bench_settings(10.0)
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
+    loop.step()
+    assert loop.controller.mover is not None
+    loop.controller.approve_move(2, "be_chat")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append(
+            {b: sum(s.serving for s in observed.pool(b)) for b in ("be_chat", "be_code")}
+        )
+    result = run.finish()
+    entries = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    steps = [e["action"] for e in entries if e.get("move") and e["decision"] == "step"]
+    assert steps == ["drain", "maint", "stop", "del_server", "start", "add_server", "ready"]
+    assert [e["decision"] for e in entries if e.get("move")][-1] == "moved"
+    assert run.worker_on(2).plan.pool == "chat" and run.worker_on(2).plan.model_name == "small"
+    # the code pool kept a server all along; chat has three at the end
+    assert min(s["be_code"] for s in serving) == 1
+    assert serving[-1] == {"be_chat": 3, "be_code": 1}
+    assert {r.outcome for r in result.records} == {"ok"}
+    moved_at = next(e["at_seconds"] for e in entries if e.get("action") == "ready")
+    moved_at -= ORIGIN_SECONDS
+    assert any(
+        r.worker == "w2" and r.service_class == "interactive" and r.start_seconds > moved_at
+        for r in result.records
+    )
+
+
+def _steady_shift(tmp_path: Path, chat_rate: float) -> tuple[Any, list[dict[str, int]]]:
+    """TWO_POOLS with chat at ``chat_rate``, under the controller for 300 s: its loop, and
+    each pass's serving servers per backend."""
+    path = tmp_path / "steady.yaml"
+    path.write_text(TWO_POOLS.replace("rate: 8}", f"rate: {chat_rate}}}"))
+    plan = bench_plan(scenario.load(str(path)), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 300.0, 2)
+    run = FastRun(plan, requests, 2, 300.0)
+    run.start()
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), bench_settings(10.0), tmp_path / "a")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append({b: sum(s.serving for s in observed.pool(b)) for b in observed.backends})
+    run.finish()
+    return loop, serving
+
+
+def test_a_steady_shift_moves_one_gpu_to_the_busy_pool_then_holds(tmp_path: Path) -> None:
+    loop, serving = _steady_shift(tmp_path, 40)
+    entries = loop.controller.audit.entries()
+    moves = [e for e in entries if e.get("action") == "move" and e["decision"] == "applied"]
+    assert [(e["before"], e["after"]) for e in moves] == [("be_code", "be_chat")]
+    assert serving[-1] == {"be_chat": 3, "be_code": 1}
+    # steady once moved: no action of any kind in the passes after the move's end
+    done = next(i for i, r in enumerate(loop.reports) if any("moved" in a for a in r.applied))
+    assert loop.reports[done + 3 :] and not any(r.applied for r in loop.reports[done + 1 :])
+    assert all(min(s.values()) >= 1 for s in serving)
+
+
+def test_on_the_pool_demand_shift_gpus_follow_the_demand_one_move_at_a_time(
+    tmp_path: Path,
+) -> None:
+    plan = bench_plan(scenario.load("pool-demand-shift"), "controller")
+    requests = traffic.generate(plan.scenario.traffic, 600.0, 21)
+    run = FastRun(plan, requests, 21, 600.0)
+    run.start()
+    settings = bench_settings(30.0)
+    loop = closed_loop(run, CLASSIFIERS["baseline-queue"](), settings, tmp_path / "audit.log")
+    serving: list[dict[str, int]] = []
+    while loop._next_window_end() <= run.duration:
+        loop.step()
+        balancer = LabBalancer(run)
+        observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
+        serving.append({b: sum(s.serving for s in observed.pool(b)) for b in observed.backends})
+    result = run.finish()
+    entries = loop.controller.audit.entries()
+    moves = [e for e in entries if e.get("action") == "move"]
+    begun = [(e["at_seconds"] - ORIGIN_SECONDS, e) for e in moves if e["decision"] == "applied"]
+    # chat's peak first (150 s): a code GPU to chat; then code's (450 s): chat GPUs to code
+    assert begun[0][1]["after"] == "be_chat" and begun[0][0] < 150
+    assert [e["after"] for _, e in begun[1:]] and {e["after"] for _, e in begun[1:]} == {"be_code"}
+    # one in flight: each ends before the next begins
+    ends = [e for e in moves if e["decision"] in ("moved", "undone", "failed")]
+    assert len(ends) == len(begun)
+    order = [e["move"] for e in moves]
+    for (_, started), (_, following) in itertools.pairwise(begun):
+        last = max(i for i, move in enumerate(order) if move == started["move"])
+        assert order.index(following["move"]) > last
+    # at most one move of a GPU per freeze, and never a pool without a serving server
+    by_gpu: dict[str, list[float]] = {}
+    for at, e in begun:
+        by_gpu.setdefault(e["target"], []).append(at)
+    for times in by_gpu.values():
+        assert all(b - a >= settings.freeze_seconds for a, b in itertools.pairwise(times))
+    assert all(min(s.values()) >= 1 for s in serving)
+    assert {r.outcome for r in result.records} == {"ok"}
+
+
+def test_static_best_tries_every_split_and_keeps_the_one_best_for_both_pools(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "two-pools.yaml"
+    path.write_text(TWO_POOLS.replace("rate: 8}", "rate: 40}"))
+    plan = scenario.load(str(path))
+    found = splits(plan)
+    # four identical cards: 1 + 3, 2 + 2, 3 + 1 (which GPUs does not matter)
+    assert sorted(len(p.workers_in("chat")) for p in found) == [1, 2, 3]
+    assert all(sorted(w.name for w in p.workers) == ["w0", "w1", "w2", "w3"] for p in found)
+    best = run_policy(plan, "static-best", 1, 60.0)
+    by_split = {len(p.workers_in("chat")): run_policy(p, "leastconn", 1, 60.0) for p in found}
+
+    def worst(r: LoopResult) -> float:
+        return max(r.latency[c].p99_seconds for c in ("interactive", "code"))
+
+    assert best.policy == "static-best"
+    assert len(best.placement["chat"]) == min(by_split, key=lambda k: worst(by_split[k]))
+    assert worst(best) == min(worst(r) for r in by_split.values())

@@ -1,0 +1,150 @@
+"""Verify and undo: Little's law over a backend's passes, and a bad re-weighting on a lab run
+put back after its freeze (the controller, the lab's observer and actuator; the analyzer is a
+fixed list of recommendations, as its HTTP API gives them)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from gpubalance.controller.audit import AuditLog
+from gpubalance.controller.loop import Controller
+from gpubalance.controller.metrics import Metrics
+from gpubalance.controller.model import Change, Observed, ObservedServer, Settings
+from gpubalance.controller.verify import Load, Verifier, time_in_system
+from gpubalance.diagnosis import Ack, AckStatus, Recommendation
+from gpubalance.lab import scenario, traffic
+from gpubalance.lab.control import LabActuator, LabBalancer
+from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun
+from gpubalance.lab.loop_bench import bench_plan
+
+
+def test_time_in_system_is_the_mean_in_flight_over_the_throughput() -> None:
+    # 4 requests in flight on average, 2 served a second: 2 s each
+    history = [Load(0.0, 3, 100), Load(10.0, 5, 120), Load(20.0, 4, 140)]
+    assert time_in_system(history, 0.0, 20.0) == pytest.approx(4 / 2)
+    assert time_in_system(history, 10.0, 20.0) == pytest.approx(4.5 / 2)
+    assert time_in_system(history, 15.0, 20.0) is None  # one pass: no throughput
+    assert time_in_system([Load(0.0, 3, 100), Load(10.0, 3, 100)], 0.0, 10.0) is None
+
+
+def test_a_recommendation_is_judged_once_its_freeze_has_passed() -> None:
+    verifier = Verifier(freeze_seconds=20.0, worse_ratio=1.25)
+    verifier.history["be"] = deque(
+        # 1 s before the change at 20 s, 3 s after it
+        [
+            Load(0.0, 2, 0),
+            Load(10.0, 2, 20),
+            Load(20.0, 2, 40),
+            Load(30.0, 6, 60),
+            Load(40.0, 6, 80),
+        ]
+    )
+    verifier.applied(Change("set_weight", "be", "s0", 200, 100, "r"), 20.0)
+    assert verifier.due(39.0) == []
+    [verdict] = verifier.due(40.0)
+    assert verdict.worse and verdict.before_seconds == pytest.approx(1.0)
+    assert verdict.after_seconds == pytest.approx(4.67 / 2, rel=0.01)
+    assert verifier.due(50.0) == []  # judged once
+
+
+def test_the_figures_before_a_long_ramp_are_kept_until_it_is_judged() -> None:
+    verifier = Verifier(freeze_seconds=20.0, worse_ratio=1.25)
+    verifier.observe(_at(0.0, 2, 0))
+    verifier.observe(_at(10.0, 2, 20))
+    verifier.observe(_at(20.0, 2, 40))
+    for t in range(20, 200, 10):  # a step every pass for three minutes
+        verifier.applied(Change("set_weight", "be", "s0", 100 + t, 100, "r"), float(t))
+        verifier.observe(_at(t + 10.0, 2, 40 + 2 * (t - 10)))
+    verifier.observe(_at(210.0, 2, 420))
+    [verdict] = verifier.due(210.0)
+    assert verdict.before_seconds == pytest.approx(1.0) and not verdict.worse
+
+
+def _at(t: float, in_flight: int, served: int) -> Observed:
+    server = ObservedServer("be", "s0", "ready", 100, 100, True, in_flight, requests_total=served)
+    return Observed(at_seconds=t, servers={server.key: server})
+
+
+class FixedAnalyzer:
+    """The analyzer's two calls over a fixed list of recommendations."""
+
+    def __init__(self, recommendations: list[Recommendation]) -> None:
+        self.listed = {r.id: r for r in recommendations}
+
+    async def recommendations(self) -> list[Recommendation]:
+        return list(self.listed.values())
+
+    async def ack(self, recommendation_id: str, status: AckStatus, reason: str, by: str) -> None:
+        r = self.listed[recommendation_id]
+        self.listed[recommendation_id] = dataclasses.replace(
+            r, acks=(*r.acks, Ack(status, reason, by, 0.0))
+        )
+
+
+def test_a_reweighting_that_makes_the_pool_slower_is_undone_after_its_freeze(
+    tmp_path: Path,
+) -> None:
+    # four equal cards, equal weights: balanced, until a bad recommendation sends one card
+    # nearly everything
+    base = bench_plan(scenario.load("default-target"), "controller")
+    router = base.scenario.router.model_copy(update={"weights": {f"w{i}": 1.0 for i in range(4)}})
+    plan = dataclasses.replace(base, scenario=base.scenario.model_copy(update={"router": router}))
+    run = FastRun(plan, traffic.generate(plan.scenario.traffic, 300.0, 3), 3, 300.0)
+    run.start()
+    bad = Recommendation(
+        id="bad",
+        action="set_weights",
+        host="lab",
+        target="be_default",
+        parameters={"weights": {"w0": 256, "w1": 1, "w2": 1, "w3": 1}},
+        reason="forced",
+        evidence=(),
+        confidence=1.0,
+        created_seconds=ORIGIN_SECONDS + 90.0,
+        expires_seconds=ORIGIN_SECONDS + 10_000.0,
+    )
+    analyzer = FixedAnalyzer([])
+    settings = Settings(act=True, interval_seconds=10.0, dwell_cycles=1, max_weight_step=256)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    controller = Controller(
+        LabBalancer(run),  # type: ignore[arg-type]
+        LabActuator(run),
+        analyzer,  # type: ignore[arg-type]
+        audit,
+        Metrics(),
+        settings,
+        clock=lambda: ORIGIN_SECONDS + run.env.now,
+    )
+    for t in range(10, 300, 10):
+        if t == 100:
+            analyzer.listed["bad"] = bad
+        run.advance(t + 1e-6)
+        asyncio.run(controller.run_once())
+    run.finish()
+    entries = [json.loads(line) for line in audit.path.read_text().splitlines()]
+    decisions = [(e["decision"], e.get("target"), e.get("after")) for e in entries]
+    assert ("applied", "be_default/w0", 256) in decisions
+    # undone at the end of its freeze: w0 back to 1, and nothing applied again after
+    undone = [e for e in entries if e["decision"] == "undone"]
+    assert [(e["target"], e["before"], e["after"]) for e in undone] == [("be_default/w0", 256, 1)]
+    assert undone[0]["at_seconds"] == pytest.approx(ORIGIN_SECONDS + 160.0)
+    assert undone[0]["reason"].startswith("undone: be_default's mean time in the system")
+    assert not [
+        e
+        for e in entries
+        if e["decision"] == "applied" and e["at_seconds"] > undone[0]["at_seconds"]
+    ]
+    assert run.router.weights["w0"] == 1.0
+    assert [a.status for a in analyzer.listed["bad"].acks][-1] == "failed"
+    sample = controller.metrics.registry.get_sample_value
+    assert sample("gpubalance_controller_verifications_total", {"result": "undone"}) == 1
+    assert (
+        sample("gpubalance_controller_actions_total", {"action": "set_weight", "outcome": "undone"})
+        == 1
+    )
