@@ -107,7 +107,7 @@ def _promql_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-# the CPU modes of the exporter's gpubalance_host_cpu_seconds_total
+# the CPU modes of the exporter's gpubalance_host_cpu_mode_seconds_total
 CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 # the labels that tell a GPU's serving queues apart (besides the host and the GPU's)
 QUEUE_LABELS = ("worker", "queue", "class", "source", "tenant")
@@ -128,9 +128,6 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
 
     def reasons(reason: str) -> str:
         return select("gpubalance_gpu_throttle_reason", f"reason={_promql_string(reason)}")
-
-    def cpu(mode: str) -> str:
-        return select("gpubalance_host_cpu_seconds_total", f"mode={_promql_string(mode)}")
 
     clock, max_clock = (
         select("gpubalance_gpu_clock_hertz", 'clock="sm"'),
@@ -176,8 +173,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
     return {
         "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
-        # Prometheus evaluates a query on one core: the biggest selections (a series per
-        # reason of every GPU, per mode of every CPU) go in one query per reason and mode
+        # Prometheus evaluates a query on one core: the biggest selection (a series per
+        # reason of every GPU) goes in one query per reason
         **{
             f"reasons_{reason}": keep(
                 f"{gpu}, reason",
@@ -192,10 +189,12 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
         ),
         "up": keep(host, f"count_over_time({select('up')}[{w}])"),
-        **{
-            f"cpu_{mode}": f"sum by ({host}, mode) (increase({cpu(mode)}[{w}]))"
-            for mode in CPU_MODES
-        },
+        # the host's CPU time summed over its CPUs by the exporter: 8 series a host, where the
+        # per-CPU series are 256 on a 32-CPU host and most of what Prometheus spends on a fleet
+        "cpu": keep(
+            f"{host}, mode",
+            f"increase({select('gpubalance_host_cpu_mode_seconds_total')}[{w}])",
+        ),
         "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
         # processes holding a GPU
         "gpu_processes": keep(
@@ -709,13 +708,13 @@ class _Assembly:
         """The hosts' figures on their GPUs' rows, by GpuFrame field."""
         cpu_total = sum(
             (
-                np.nan_to_num(self.host(f"cpu_{mode}"))
+                np.nan_to_num(self.host("cpu", mode=mode))
                 for mode in CPU_MODES
                 if mode not in ("idle", "iowait")
             ),
             start=np.zeros((len(self.gpu_keys), self.steps)),
         )
-        idle, iowait = self.host("cpu_idle"), self.host("cpu_iowait")
+        idle, iowait = self.host("cpu", mode="idle"), self.host("cpu", mode="iowait")
         cpu_total = cpu_total + idle + iowait  # NaN without the idle and iowait series
         with np.errstate(invalid="ignore", divide="ignore"):
             busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)
