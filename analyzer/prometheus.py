@@ -47,9 +47,7 @@ responses as warnings) are logged and kept in :attr:`PrometheusSource.last_warni
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import gzip
 import logging
 import math
@@ -58,7 +56,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +64,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gpubalance.analyzer.collection import collection_paused
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import SourceError
 from gpubalance.telemetry import SLOWDOWN_REASONS
@@ -429,7 +428,7 @@ class PrometheusSource:
             return metric + "{" + inside + "}" if inside else metric
 
         queries = _queries(select, _duration(w), self.host_label)
-        with _collection_paused():
+        with collection_paused():
             return self._frames(queries, first_end, w, steps)
 
     def _frames(
@@ -472,20 +471,6 @@ class PrometheusSource:
             "frames": time.perf_counter() - began,
         }
         return frames
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the while: a fleet's answers make 10^6
-    objects, and the collections they trigger, each scanning every object alive, would take as
-    long as the parsing itself. Nothing made here holds a cycle."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _decode(raw: bytes, what: str) -> dict[str, Any]:
