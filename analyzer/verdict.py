@@ -6,6 +6,10 @@ readings is ``unknown`` with the reason, never idle), then the classifier, then 
 on confidence (the new state's probability must reach ``enter_confidence`` and the held one's
 fall below ``leave_confidence``), and evidence in words a person can check on a dashboard.
 
+A fleet's table has 10^5 rows: the rules, the causes, the peers' medians, persistence and
+hysteresis run on numpy arrays (persistence a window at a time over every GPU at once), and only
+the evidence is written row by row, each sentence only where its figures say something.
+
 Per pool (the GPUs of a host that serve the same queues) and window, a :class:`FleetVerdict`
 says whether moving work would help (``imbalance``), only more GPUs would
 (``capacity_shortage``), fewer would do (``over_provisioning``), or neither (``balanced``).
@@ -170,10 +174,8 @@ class _Rows:
             n, len(_FIGURES)
         )
         self.figures = np.where(np.isfinite(self.raw), self.raw, np.nan)
-        self.none = np.array([_NONE_VALUES(f) for f in frames], dtype=object).reshape(
-            n, len(_NONE_READ)
-        )
-        self.none = np.equal(self.none, None)
+        nones = np.array([_NONE_VALUES(f) for f in frames], dtype=object)
+        self.none = np.equal(nones.reshape(n, len(_NONE_READ)), None)
         counts = np.array([_COUNT_VALUES(f) for f in frames], dtype=np.int64).reshape(n, 5)
         self.samples, self.expected, self.stale, self.queues, lost = counts.T
         self.lost = lost.astype(bool)
