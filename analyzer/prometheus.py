@@ -189,7 +189,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
         ),
         "up": keep(host, f"count_over_time({select('up')}[{w}])"),
         # the host's CPU time summed over its CPUs by the exporter: 8 series a host, where the
-        # per-CPU series are 256 on a 32-CPU host and most of what Prometheus spends on a fleet
+        # per-CPU ones are 256 on a 32-CPU host (a third of a fleet's cost to Prometheus when
+        # it summed them); an exporter without the sum leaves its host's CPU figures unknown
         "cpu": keep(
             f"{host}, mode",
             f"increase({select('gpubalance_host_cpu_mode_seconds_total')}[{w}])",
