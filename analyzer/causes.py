@@ -3,13 +3,13 @@
 Given a GPU's state, some causes are read off the figures that define them: a feeding process
 pinned at its cores or CPU pressure (``host_bound``), IO pressure (``io_bound``), a batcher
 that holds the GPU idle half of each batch cycle (``batch_delay``), allocation failures
-(``memory_pressure``). A joint label learned on some families cannot know what another
-family's servers look like; the physics is the same on all of them, so these rules decide
-where they fire and the model only where none does. They go in the order the ground truth
-decides causes in (lab/scenarios/README.md, "Decision"), and each says for which state it
-holds. One names the state as well: a GPU busy under 60 % of the window while its batcher
-idles it half of each batch cycle is starved by its batching, however full its (small)
-batches look.
+without a deep queue (``memory_pressure``). A joint label learned on some families cannot
+know what another family's servers look like; the physics is the same on all of them, so
+these rules decide where they fire and the model only where none does. They go in the order
+the ground truth decides causes in (lab/scenarios/README.md, "Decision"), and each says for
+which state it holds. One names the state as well: a GPU busy under 60 % of the window while
+its batcher idles it half of each batch cycle is starved by its batching, however full its
+(small) batches look.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ BATCH_IDLE_SHARE = 0.5
 BATCH_WAIT_BUSY = 0.6
 # allocation failures per completed request: KV memory refuses work that would fit its batch
 ALLOCATION_FAILURES = 0.01
+# ... with less than this many batches waiting: the KV region, not the load, limits the
+# batch. Any GPU far behind its queue with long-tailed requests fails allocations now and
+# then; there the queue is the story (routing, capacity), not the memory (measured on the
+# generated families: sticky-skew, slow-card and host-preprocess lose a fifth of their causes
+# to memory_pressure without it, the memory families keep theirs with it)
+MEMORY_QUEUE_BATCHES = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +84,9 @@ def named(table: FeatureTable) -> Named:
         share = batch_idle_share(table)
         batch = share >= BATCH_IDLE_SHARE
         waiting = batch & (column("utilization_ratio") < BATCH_WAIT_BUSY)
-        memory = column("allocation_failures_per_completion") > ALLOCATION_FAILURES
+        memory = (column("allocation_failures_per_completion") > ALLOCATION_FAILURES) & (
+            column("queue_batches") < MEMORY_QUEUE_BATCHES
+        )
     starved = np.full(n, "", dtype=object)
     overloaded = np.full(n, "", dtype=object)
     # the first that holds wins: assign in reverse order of the ground truth's decision list

@@ -93,3 +93,27 @@ def test_the_model_names_batch_delay_on_a_server_it_was_not_trained_on() -> None
     assert set(judged.labels) == {"starved/batch_delay"}
     fitted = GpuStateClassifier(max_iter=5).fit(training.table, training.labels)
     assert set(fitted.predict(judged.table)) == {"starved/batch_delay"}
+
+
+def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() -> None:
+    # fragmented-memory: 13B INT8 with mixed RAG prompts, oom outcomes from a short queue;
+    # a generated slow card far behind its queue fails allocations too, overloaded/slow_card
+    fragmented = yaml.safe_load(scenario.scenario_path("fragmented-memory").read_text())
+    slow = generate.variants("slow-card", 2, 1)[1]
+    data = build_dataset(
+        [
+            Example("fragmented-memory", "fragmented-memory", fragmented, 1, 240.0),
+            Example(slow.family, slow.name, slow.document, int(slow.document["seed"])),
+        ],
+        workers=1,
+    )
+    failing = data.table.column("allocation_failures_per_completion") > causes.ALLOCATION_FAILURES
+    named = causes.named(data.table).overloaded
+    labels = np.asarray(data.labels)
+    runs = np.asarray(data.runs)
+    memory = failing & (runs == "fragmented-memory") & (labels == "overloaded/memory_pressure")
+    behind = failing & (runs == slow.name)
+    assert memory.any() and behind.any()
+    assert set(named[memory]) == {"memory_pressure"}
+    assert "overloaded/memory_pressure" not in set(labels[behind])
+    assert "memory_pressure" not in set(named[behind])
