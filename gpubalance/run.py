@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_EXPORTER_LISTEN = "127.0.0.1:9450"  # the exporter's own default is every interface
 DEFAULT_ANALYZER_LISTEN = "127.0.0.1:9451"
@@ -50,6 +50,7 @@ class Part:
     process: asyncio.subprocess.Process
     url: str | None = None
     log: asyncio.Future[None] | None = None  # the task passing its log on, done at its EOF
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def flushed(self) -> None:
         """Once it exited: wait until its last lines are passed on, so they come before ours."""
@@ -135,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Each part's command line (the analyzer's and controller's sources are filled in when
-    the part before them listens); checks what the parts cannot check before they start."""
+    """Each part's command line; checks what the parts cannot check before they start."""
     from gpubalance.config import ConfigError, load_section
     from gpubalance.exporter.config import ExporterConfig
 
@@ -161,30 +161,36 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
         exporter_listen = exporter.listen
     else:
         exporter_listen = DEFAULT_EXPORTER_LISTEN
-    listens = [
-        (exporter_listen, "--exporter-listen"),
-        (args.analyzer_listen, "--analyzer-listen"),
-        (args.controller_listen, "--controller-listen"),
-    ]
+    exporter_listen = _address(exporter_listen, "--exporter-listen")
+    analyzer_listen = _address(args.analyzer_listen, "--analyzer-listen")
+    controller_listen = _address(args.controller_listen, "--controller-listen")
     if exporter.serving.otlp.enabled:
-        listens.append((exporter.serving.otlp.listen, "exporter.serving.otlp.listen"))
-    for listen, setting in listens:
-        _check_free(listen, setting)
+        _address(exporter.serving.otlp.listen, "exporter.serving.otlp.listen")
     gpubalance = [sys.executable, "-m", "gpubalance"]
     config = ["--config", args.config] if args.config else []
     token = ["--token-file", args.token_file] if args.token_file else []
     return {
         "exporter": [*gpubalance, "exporter", "--listen", exporter_listen, *config]
         + extra["exporter"],
-        "analyzer": [*gpubalance, "analyzer", "--listen", args.analyzer_listen, *token]
+        "analyzer": [
+            *gpubalance,
+            "analyzer",
+            "--source",
+            _url(exporter_listen, extra["exporter"]),
+            "--listen",
+            analyzer_listen,
+            *token,
+        ]
         + extra["analyzer"],
         "controller": [
             *gpubalance,
             "controller",
+            "--analyzer",
+            _url(analyzer_listen, extra["analyzer"]),
             "--haproxy-socket",
             args.haproxy_socket,
             "--listen",
-            args.controller_listen,
+            controller_listen,
             "--audit-log",
             args.audit_log,
             *(["--act"] if args.act else []),
@@ -196,17 +202,16 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def _check_free(listen: str, setting: str) -> None:
-    """Refuse an address already taken before anything starts, rather than start two parts
-    and stop them again when the third cannot listen."""
+def _address(listen: str, setting: str) -> str:
+    """``listen`` with its port, once checked free: an address already taken is refused
+    before anything starts, and port 0 becomes a free port now, so that the part that reads
+    this one can be given its URL at start."""
     from gpubalance.webconfig import parse_listen
 
     try:
         host, port = parse_listen(listen)
     except ValueError as exc:
         raise BadInput(f"{setting} {listen}: {exc}") from None
-    if port == 0:
-        return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # as the parts' listeners bind: a port in TIME_WAIT is free to them
@@ -216,31 +221,47 @@ def _check_free(listen: str, setting: str) -> None:
         except OSError as exc:
             reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
             raise BadInput(f"cannot listen on {listen} ({setting}): {reason}") from None
+        port = sock.getsockname()[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _url(listen: str, flags: Sequence[str]) -> str:
+    """Where a part listening on ``listen`` is reached from this host: HTTPS when its flags
+    give it a web config (TLS), every interface by loopback."""
+    from gpubalance.webconfig import parse_listen
+
+    host, port = parse_listen(listen)
+    scheme = "https" if any(f.startswith("--web.config.file") for f in flags) else "http"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def supervise(commands: dict[str, list[str]]) -> int:
-    """Start the parts in order, each given the URL of the one before; then wait for a signal
-    or a part that exits. The exit code."""
+    """Start the parts, all at once (each is given the address of the one it reads, and
+    waits for it: starting one after the other would add their start-up times); wait until
+    each listens; then wait for a signal or a part that exits. The exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     parts: list[Part] = []
-    sources = {"analyzer": "--source", "controller": "--analyzer"}
     try:
         for name, argv in commands.items():
-            if name in sources:
-                argv = [*argv, sources[name], str(parts[-1].url)]
-            part = await _start(name, argv, stop)
-            parts.append(part)
+            parts.append(await _spawn(name, argv))
+        for part in parts:
+            await _listening(part, stop)
             if stop.is_set():
                 return await _stop_all(parts)
             if part.url is None:
                 await part.flushed()
                 code = part.process.returncode
+                how = (
+                    f"did not say where it listens within {START_TIMEOUT_SECONDS:.0f} s"
+                    if code is None
+                    else f"exited at start with status {code}"
+                )
                 print(
-                    f"gpubalance run: the {name} exited at start with status {code}; "
-                    + ("stopping the others" if len(parts) > 1 else "nothing else was started"),
+                    f"gpubalance run: the {part.name} {how}; stopping the others",
                     file=sys.stderr,
                 )
                 await _stop_all(parts)
@@ -273,8 +294,7 @@ async def supervise(commands: dict[str, list[str]]) -> int:
             loop.remove_signal_handler(signum)
 
 
-async def _start(name: str, argv: Sequence[str], stop: asyncio.Event) -> Part:
-    """Start a part and wait until it listens, exits, or the command is stopped."""
+async def _spawn(name: str, argv: Sequence[str]) -> Part:
     process = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -286,11 +306,15 @@ async def _start(name: str, argv: Sequence[str], stop: asyncio.Event) -> Part:
     )
     _say(f"starting the {name} (pid {process.pid})")
     part = Part(name, process)
-    listening = asyncio.Event()
-    part.log = asyncio.ensure_future(_forward(part, listening))
+    part.log = asyncio.ensure_future(_forward(part))
+    return part
+
+
+async def _listening(part: Part, stop: asyncio.Event) -> None:
+    """Wait until a part says where it listens, exits, or the command is stopped."""
     waits = {
-        asyncio.ensure_future(listening.wait()),
-        asyncio.ensure_future(process.wait()),
+        asyncio.ensure_future(part.listening.wait()),
+        asyncio.ensure_future(part.process.wait()),
         asyncio.ensure_future(stop.wait()),
     }
     try:
@@ -300,17 +324,9 @@ async def _start(name: str, argv: Sequence[str], stop: asyncio.Event) -> Part:
     finally:
         for task in waits:
             task.cancel()
-    if part.url is None and process.returncode is None and not stop.is_set():
-        print(
-            f"gpubalance run: the {name} did not say where it listens within "
-            f"{START_TIMEOUT_SECONDS:.0f} s",
-            file=sys.stderr,
-        )
-        await _stop_all([part])
-    return part
 
 
-async def _forward(part: Part, listening: asyncio.Event) -> None:
+async def _forward(part: Part) -> None:
     """Pass a part's log on to ours, line by line (each line names its logger), and catch its
     first "listening on URL"."""
     assert part.process.stdout is not None
@@ -320,7 +336,7 @@ async def _forward(part: Part, listening: asyncio.Event) -> None:
         sys.stderr.flush()
         if part.url is None and (match := LISTENING.search(text)):
             part.url = match.group(1)
-            listening.set()
+            part.listening.set()
 
 
 async def _stop_all(parts: Sequence[Part]) -> int:

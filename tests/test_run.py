@@ -280,5 +280,5 @@ def test_a_part_that_refuses_its_input_at_start_exits_2_and_leaves_nothing_runni
         stack.log
     )
     started = re.findall(r"gpubalance run: starting the (\w+) \(pid (\d+)\)", stack.log)
-    assert [name for name, _ in started] == ["exporter", "analyzer"], stack.log
+    assert [name for name, _ in started] == ["exporter", "analyzer", "controller"], stack.log
     assert all(_gone(int(pid)) for _, pid in started), stack.log
