@@ -9,9 +9,11 @@ The controller is dry-run unless --act. Everything listens on 127.0.0.1 unless t
 not given) and its `controller:` section (`controller.workers`: the worker command and the GPUs,
 to let the controller move workers between pools). The analyzer's settings are flags.
 
-SIGINT or SIGTERM stops the three (controller first) and exits 0. A part that exits on its own
-is named and the others are stopped: the command exits 1 (2 when a part refused its input at
-start), never leaving a half-running stack.
+The parts start at once, each told where the one it reads listens; a part is up once it logs
+"listening on URL" (keep their --log-level at info). SIGINT or SIGTERM stops the three
+(controller first) and exits 0. A part that exits on its own is named and the others are
+stopped: the command exits 1 (2 when a part refused its input at start), never leaving a
+half-running stack.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ DEFAULT_AUDIT_LOG = "gpubalance-controller-audit.jsonl"
 LISTENING = re.compile(r"listening on (https?://\S+)")
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 30.0
+_EXAMPLES = {  # of --PART-args, in --help
+    "exporter": "--names both",
+    "analyzer": "--window 30 --interval 10",
+    "controller": "--interval 10 --dwell-cycles 2",
+}
 
 
 class BadInput(Exception):
@@ -117,13 +124,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
             help=f"more flags for `gpubalance {part}`, as one string "
             f"(e.g. --{part}-args '{_EXAMPLES[part]}')",
         )
-
-
-_EXAMPLES = {
-    "exporter": "--names both",
-    "analyzer": "--window 30 --interval 10",
-    "controller": "--interval 10 --dwell-cycles 2",
-}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -83,8 +83,12 @@ def run_config(lab: LiveLab, build_dir: Path) -> Path:
     workers would have (the lab's procfs has no sockets to find the workers by, so each
     endpoint names its GPU)."""
     endpoints = [
-        {"url": f"http://127.0.0.1:{c.port}/metrics", "format": c.metrics_format, "gpu": c.gpu}
-        | {"worker": c.name}
+        {
+            "url": f"http://127.0.0.1:{c.port}/metrics",
+            "format": c.metrics_format,
+            "worker": c.name,
+            "gpu": c.gpu,
+        }
         for c in lab.configs.values()
     ]
     exporter = {

@@ -16,12 +16,61 @@ from pathlib import Path
 import pytest
 
 from gpubalance.diagnosis import STATES
+from gpubalance.lab.demo import Latencies, LoopPanel, p99_between
 
 SUMMARY = re.compile(
     r"^before/after \((\d+) change\(s\) by the controller\): (\d+\.\d\d) s -> (\d+\.\d\d) s p99,"
     r" (\d+)% -> (\d+)% idle while queued$",
     re.M,
 )
+
+
+INF = float("inf")
+BOUNDS = (0.5, 1.0, 2.5, INF)
+ZERO = Latencies(0.0, BOUNDS, ((0, 0, 0, 0), (0, 0, 0, 0)))
+
+
+def test_p99_is_interpolated_in_its_bucket_as_histogram_quantile_does() -> None:
+    # worker 0: 50 requests under 0.5 s, 40 more under 1 s, 10 more under 2.5 s
+    last = Latencies(10.0, BOUNDS, ((50, 90, 100, 100), (0, 0, 0, 0)))
+    # the 99th of 100 lies 9/10 of the way through the (1, 2.5] bucket
+    assert p99_between(ZERO, last) == (pytest.approx(1.0 + 1.5 * 0.9), 100)
+    assert p99_between(ZERO, last, worker=1) == (None, 0)
+    # beyond the largest bound only that bound is known, as histogram_quantile says
+    slow = Latencies(10.0, BOUNDS, ((0, 0, 0, 0), (0, 0, 90, 100)))
+    assert p99_between(ZERO, slow) == (2.5, 100)
+    # only what was completed between the two readings counts
+    assert p99_between(last, last) == (None, 0)
+
+
+def test_the_panel_splits_the_run_at_the_controllers_first_and_last_change(tmp_path) -> None:
+    panel = LoopPanel([], tmp_path / "audit.jsonl")
+    # 10 requests a second: under 0.5 s before the changes at t=20 and t=22, under 1 s after
+    for t in range(41):
+        fast, slow = min(t, 20) * 10, max(0, t - 20) * 10
+        total = fast + slow
+        counts = ((fast, total, total, total), (0, 0, 0, 0))
+        panel.readings.append(Latencies(float(t), BOUNDS, counts))
+    panel.entries = [
+        {"decision": "waiting", "at_seconds": 19.0},
+        {"decision": "applied", "at_seconds": 20.0},
+        {"decision": "applied", "at_seconds": 22.0},
+    ]
+    # the analyzer's windows: (start, end, idle-while-queued)
+    panel.windows = [(0.0, 10.0, 0.6), (10.0, 20.0, 0.4), (20.0, 30.0, 0.2), (30.0, 40.0, 0.0)]
+    before, after = panel.before(), panel.after()
+    assert before is not None and after is not None
+    assert (before.start_seconds, before.end_seconds, before.requests) == (0.0, 20.0, 200)
+    assert before.p99_seconds == pytest.approx(0.495)
+    assert before.idle_while_queued_ratio == pytest.approx(0.5)
+    # the latest 10 s, all after the last change; the windows that began after it
+    assert (after.start_seconds, after.end_seconds, after.requests) == (30.0, 40.0, 100)
+    assert after.p99_seconds == pytest.approx(0.995)
+    assert after.idle_while_queued_ratio == 0.0
+    assert panel.summary() == (
+        "before/after (2 change(s) by the controller): 0.49 s -> 0.99 s p99, "
+        "50% -> 0% idle while queued"
+    )
 
 
 @pytest.mark.live
