@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,23 @@ def _get(url: str) -> bytes:
         return resp.read()
 
 
+def _gpus(exporter: str) -> int | None:
+    """How many GPUs the exporter's latest sample holds; None before its first (503)."""
+    try:
+        return len(json.loads(_get(exporter + "/api/v1/snapshot"))["sample"]["gpus"])
+    except urllib.error.HTTPError:
+        return None
+
+
+def _health(url: str) -> dict[str, object]:
+    """The analyzer's /healthz body, also while it answers 503 (starting, before its first
+    cycle)."""
+    try:
+        return json.loads(_get(url + "/healthz"))
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
 def _eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + DEADLINE_SECONDS
     while not check():
@@ -219,12 +237,10 @@ def test_one_command_runs_the_three_parts_each_reading_the_next_and_stops_clean_
         for url in (exporter, analyzer, controller):
             assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
         # the exporter reads the fake driver's two GPUs
-        snapshot = json.loads(_get(exporter + "/api/v1/snapshot"))
-        assert len(snapshot["sample"]["gpus"]) == 2
+        _eventually(lambda: _gpus(exporter) == 2, "the exporter never read the two GPUs")
         # the analyzer reads the exporter; the controller reads the analyzer and HAProxy
         _eventually(
-            lambda: json.loads(_get(analyzer + "/healthz"))["source_up"] is True,
-            "the analyzer never read the exporter",
+            lambda: _health(analyzer)["source_up"] is True, "the analyzer never read the exporter"
         )
         _eventually(lambda: _source_up(controller, "haproxy"), "the controller never read HAProxy")
         _eventually(lambda: _source_up(controller, "analyzer"), "the controller never read it")
