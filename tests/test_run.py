@@ -7,6 +7,7 @@ behind it), and judge it by what its parts serve and by the processes it leaves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -147,6 +148,20 @@ class RunningStack:
         self._reader.join(10)
         return code
 
+    def close(self) -> None:
+        """After a failed assertion too: SIGTERM it, which stops its parts; then SIGKILL any
+        part still there. Each part has a process group of its own, so killing this process
+        alone would leave them running for the rest of the suite."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=DEADLINE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        for pid in re.findall(r"gpubalance run: starting the \w+ \(pid (\d+)\)", self.log):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGKILL)
+
 
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=5) as resp:
@@ -249,8 +264,7 @@ def test_one_command_runs_the_three_parts_each_reading_the_next_and_stops_clean_
         os.killpg(stack.process.pid, signal.SIGINT)
         assert stack.finish() == 0, stack.log
     finally:
-        if stack.process.poll() is None:
-            stack.process.kill()
+        stack.close()
     assert all(_gone(pid) for pid in pids), stack.log
     assert stack.log.rstrip().endswith("gpubalance run: stopped"), stack.log
 
@@ -269,8 +283,7 @@ def test_a_part_that_dies_is_named_and_the_others_are_stopped(
         os.kill(pids[1], signal.SIGKILL)
         assert stack.finish() == 1, stack.log
     finally:
-        if stack.process.poll() is None:
-            stack.process.kill()
+        stack.close()
     assert (
         f"gpubalance run: the analyzer (pid {pids[1]}) exited with signal SIGKILL; "
         "stopping the others" in stack.log
@@ -290,7 +303,10 @@ def test_a_part_that_refuses_its_input_at_start_exits_2_and_leaves_nothing_runni
         env,
         tmp_path,
     )
-    assert stack.finish() == 2, stack.log
+    try:
+        assert stack.finish() == 2, stack.log
+    finally:
+        stack.close()
     assert f"gpubalance analyzer: --model {missing}: no such file" in stack.log
     assert "gpubalance run: the analyzer exited at start with status 2; stopping the others" in (
         stack.log
