@@ -5,6 +5,9 @@ telemetry does not say" stays a value of its own) over :data:`~gpubalance.analyz
 COLUMNS`. By default in two steps, as the ground truth decides: the state (from the GPU's load
 against its capacity), then the cause given the state, each step with balanced class weights
 so that a rare cause is not drowned by a common one; p(state/cause) = p(state) p(cause | state).
+Where the figures name a cause directly (:mod:`gpubalance.analyzer.causes`: a pinned feeder,
+IO pressure, a batcher idling the GPU, allocation failures), that cause takes
+its state's whole probability; the learned causes decide only where no such figure does.
 
 Persisted with skops, never pickle: loading a pickle runs code, loading a skops file
 only rebuilds the types it lists, and :func:`load` refuses any type outside scikit-learn and
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from gpubalance.analyzer import causes
 from gpubalance.analyzer.features import COLUMNS, FeatureTable
 
 FORMAT = "gpubalance.analyzer.model/v2"
@@ -43,6 +47,7 @@ class GpuStateClassifier:
         class_weight: str | None = "balanced",
         random_state: int = 0,
         hierarchy: bool = True,
+        named_causes: bool = True,
     ) -> None:
         self.max_iter = max_iter
         self.learning_rate = learning_rate
@@ -52,6 +57,8 @@ class GpuStateClassifier:
         self.class_weight = class_weight
         self.random_state = random_state
         self.hierarchy = hierarchy
+        # causes the figures name directly (analyzer/causes.py) decide over the learned ones
+        self.named_causes = named_causes
 
     def get_params(self) -> dict[str, Any]:
         return {
@@ -63,6 +70,7 @@ class GpuStateClassifier:
             "class_weight": self.class_weight,
             "random_state": self.random_state,
             "hierarchy": self.hierarchy,
+            "named_causes": self.named_causes,
         }
 
     def _estimator(self) -> Any:
@@ -112,6 +120,10 @@ class GpuStateClassifier:
         self._check(table)
         if not len(table.frames):
             return np.zeros((0, len(self.classes_)))
+        learned = self._learned_proba(table)
+        return causes.apply(learned, self.classes_, table) if self.named_causes else learned
+
+    def _learned_proba(self, table: FeatureTable) -> np.ndarray:
         if not self.hierarchy:
             return self.estimator_.predict_proba(table.values)
         column = {label: i for i, label in enumerate(self.classes_)}

@@ -47,9 +47,7 @@ responses as warnings) are logged and kept in :attr:`PrometheusSource.last_warni
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import gzip
 import logging
 import math
@@ -58,7 +56,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +64,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gpubalance.analyzer.collection import collection_paused
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import SourceError
 from gpubalance.telemetry import SLOWDOWN_REASONS
@@ -107,7 +106,7 @@ def _promql_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-# the CPU modes of the exporter's gpubalance_host_cpu_seconds_total
+# the CPU modes of the exporter's gpubalance_host_cpu_mode_seconds_total
 CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 # the labels that tell a GPU's serving queues apart (besides the host and the GPU's)
 QUEUE_LABELS = ("worker", "queue", "class", "source", "tenant")
@@ -128,9 +127,6 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
 
     def reasons(reason: str) -> str:
         return select("gpubalance_gpu_throttle_reason", f"reason={_promql_string(reason)}")
-
-    def cpu(mode: str) -> str:
-        return select("gpubalance_host_cpu_seconds_total", f"mode={_promql_string(mode)}")
 
     clock, max_clock = (
         select("gpubalance_gpu_clock_hertz", 'clock="sm"'),
@@ -176,8 +172,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             per_queue[f"{stem}_{part}"] = f"increase({select(f'gpubalance_{stem}_{part}')}[{w}])"
     return {
         "info": keep(f"{gpu}, name", f"last_over_time({select('gpubalance_gpu_info')}[{w}])"),
-        # Prometheus evaluates a query on one core: the biggest selections (a series per
-        # reason of every GPU, per mode of every CPU) go in one query per reason and mode
+        # Prometheus evaluates a query on one core: the biggest selection (a series per
+        # reason of every GPU) goes in one query per reason
         **{
             f"reasons_{reason}": keep(
                 f"{gpu}, reason",
@@ -192,10 +188,13 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
             host, f"last_over_time({select('gpubalance_exporter_window_seconds')}[{w}])"
         ),
         "up": keep(host, f"count_over_time({select('up')}[{w}])"),
-        **{
-            f"cpu_{mode}": f"sum by ({host}, mode) (increase({cpu(mode)}[{w}]))"
-            for mode in CPU_MODES
-        },
+        # the host's CPU time summed over its CPUs by the exporter: 8 series a host, where the
+        # per-CPU ones are 256 on a 32-CPU host (a third of a fleet's cost to Prometheus when
+        # it summed them); an exporter without the sum leaves its host's CPU figures unknown
+        "cpu": keep(
+            f"{host}, mode",
+            f"increase({select('gpubalance_host_cpu_mode_seconds_total')}[{w}])",
+        ),
         "pressure": keep(f"{host}, resource", f"rate({stalls}[{w}])"),
         # processes holding a GPU
         "gpu_processes": keep(
@@ -430,7 +429,7 @@ class PrometheusSource:
             return metric + "{" + inside + "}" if inside else metric
 
         queries = _queries(select, _duration(w), self.host_label)
-        with _collection_paused():
+        with collection_paused():
             return self._frames(queries, first_end, w, steps)
 
     def _frames(
@@ -473,20 +472,6 @@ class PrometheusSource:
             "frames": time.perf_counter() - began,
         }
         return frames
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the while: a fleet's answers make 10^6
-    objects, and the collections they trigger, each scanning every object alive, would take as
-    long as the parsing itself. Nothing made here holds a cycle."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _decode(raw: bytes, what: str) -> dict[str, Any]:
@@ -709,13 +694,13 @@ class _Assembly:
         """The hosts' figures on their GPUs' rows, by GpuFrame field."""
         cpu_total = sum(
             (
-                np.nan_to_num(self.host(f"cpu_{mode}"))
+                np.nan_to_num(self.host("cpu", mode=mode))
                 for mode in CPU_MODES
                 if mode not in ("idle", "iowait")
             ),
             start=np.zeros((len(self.gpu_keys), self.steps)),
         )
-        idle, iowait = self.host("cpu_idle"), self.host("cpu_iowait")
+        idle, iowait = self.host("cpu", mode="idle"), self.host("cpu", mode="iowait")
         cpu_total = cpu_total + idle + iowait  # NaN without the idle and iowait series
         with np.errstate(invalid="ignore", divide="ignore"):
             busy = np.where(cpu_total > 0, (cpu_total - idle - iowait) / cpu_total, np.nan)

@@ -6,6 +6,10 @@ readings is ``unknown`` with the reason, never idle), then the classifier, then 
 on confidence (the new state's probability must reach ``enter_confidence`` and the held one's
 fall below ``leave_confidence``), and evidence in words a person can check on a dashboard.
 
+A fleet's table has 10^5 rows: the rules, the causes, the peers' medians, persistence and
+hysteresis run on numpy arrays (persistence a window at a time over every GPU at once), and only
+the evidence is written row by row, each sentence only where its figures say something.
+
 Per pool (the GPUs of a host that serve the same queues) and window, a :class:`FleetVerdict`
 says whether moving work would help (``imbalance``), only more GPUs would
 (``capacity_shortage``), fewer would do (``over_provisioning``), or neither (``balanced``).
@@ -25,11 +29,8 @@ waiting work in that queue, never at a worker, so its ratio is 0; so is a single
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
-import re
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,9 +38,10 @@ from typing import Protocol
 import numpy as np
 
 from gpubalance.analyzer.baselines import split_label
+from gpubalance.analyzer.collection import collection_paused
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.frames import GpuFrame
-from gpubalance.diagnosis import CAUSES_OF, Cause, FleetKind, FleetVerdict, State, Verdict
+from gpubalance.diagnosis import CAUSES, CAUSES_OF, Cause, FleetKind, FleetVerdict, State, Verdict
 
 # the cause a state falls back to when the rules rule out every cause the classifier gave it:
 # the ground truth's own "otherwise" for each state
@@ -107,80 +109,288 @@ def _known(value: float) -> bool:
     return math.isfinite(value)
 
 
-class _Context:
-    """Row lookups shared by the rules and the evidence: a frame's peers in its window.
+# the features the evidence and the unjudgeable reason read
+_EVIDENCE_FEATURES = (
+    "queue_batches",
+    "feeder_cpu_pinned",
+    "memory_used_ratio",
+    "throughput_vs_own_best_ratio",
+    "throughput_vs_peers_ratio",
+    "batch_delay_share",
+    "batch_fill_ratio",
+    "idle_while_peer_queued",
+    "peer_queue_max_batches",
+    "utilization_ratio",
+)
+# the frame figures the rules and the evidence read, one float64 column each (None: NaN)
+_FIGURES = (
+    "queue_depth_mean",
+    "utilization_mean_ratio",
+    "sm_clock_ratio",
+    "throttled_ratio",
+    "feeder_cpu_cores_max",
+    "host_cpu_pressure_ratio",
+    "host_io_pressure_ratio",
+    "host_iowait_ratio",
+    "allocation_failures",
+    "memory_total_bytes",
+    "completions_per_second",
+    "batch_delay_seconds",
+    "batch_size_mean",
+    "queue_depth_max",
+    "running_mean",
+)
+_FIGURE_VALUES = operator.attrgetter(*_FIGURES)
+_COUNTS = ("sample_count", "expected_sample_count", "stale_sample_count", "serving_queues", "lost")
+_COUNT_VALUES = operator.attrgetter(*_COUNTS)
+# the figures whose None the rules read as "none" (``not value``) where a NaN is a value
+_NONE_READ = ("queue_depth_max", "running_mean", "sm_clock_ratio")
+_NONE_VALUES = operator.attrgetter(*_NONE_READ)
+# a (state, cause) pair as one number: state index · len(CAUSES) + cause index
+_PAIRS: tuple[tuple[State, Cause], ...] = tuple((s, c) for s in STATES_SUMMED for c in CAUSES)
+_NO_PAIR = -1
+# what a GPU's row in a window is to the persistence step
+_MISSING, _GUARDED, _CRASHED, _UNJUDGEABLE, _JUDGED = range(5)
+# the note a judged row's evidence ends with
+_NO_NOTE, _LEANS, _PENDING = range(3)
 
-    A fleet's table has 10^5 rows, each the peer of a few others: each frame's finite copy and
-    features row are made once, when first asked for.
+
+def _pair(state: State, cause: Cause) -> int:
+    return STATES_SUMMED.index(state) * len(CAUSES) + CAUSES.index(cause)
+
+
+class _Rows:
+    """The table's frames as numpy columns, and what each row's pool peers show.
+
+    ``figures``: :data:`_FIGURES` with NaN where a figure is None, NaN or infinite (a damaged
+    recording's unknown); ``raw``: the same with infinities kept, as the rules compare them.
     """
 
     def __init__(self, table: FeatureTable) -> None:
+        frames = table.frames
         self.table = table
-        self.pools: dict[tuple[str, str, float], list[int]] = {}
-        for i, frame in enumerate(table.frames):
-            self.pools.setdefault((frame.host, pool_name(frame), frame.t_start), []).append(i)
-        self._finite: list[GpuFrame | None] = [None] * len(table.frames)
-        self._values = table.values.tolist()
+        n = len(frames)
+        self.raw = np.array([_FIGURE_VALUES(f) for f in frames], dtype=np.float64).reshape(
+            n, len(_FIGURES)
+        )
+        self.figures = np.where(np.isfinite(self.raw), self.raw, np.nan)
+        nones = np.array([_NONE_VALUES(f) for f in frames], dtype=object)
+        self.none = np.equal(nones.reshape(n, len(_NONE_READ)), None)
+        counts = np.array([_COUNT_VALUES(f) for f in frames], dtype=np.int64).reshape(n, 5)
+        self.samples, self.expected, self.stale, self.queues, lost = counts.T
+        self.lost = lost.astype(bool)
+        self.t_start = np.array([f.t_start for f in frames], dtype=np.float64)
+        self.t_end = np.array([f.t_end for f in frames], dtype=np.float64)
+        self.pools = [pool_name(f) for f in frames]
+        self.throttle_reasons = np.array([bool(f.throttle_reasons) for f in frames], dtype=bool)
+        groups: dict[tuple[str, str, float], int] = {}
+        self.group = np.array(
+            [
+                groups.setdefault((f.host, pool, f.t_start), len(groups))
+                for f, pool in zip(frames, self.pools, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        # the per-row lists the evidence formats from: Python floats, None where unknown
+        self.values = {name: _objects(self.figures[:, i]) for i, name in enumerate(_FIGURES)}
+        peers = self.samples > 0
+        self.values["peer_queue"] = _objects(
+            _peer_median(self.column("queue_depth_mean"), self.group, peers)
+        )
+        self.values["peer_utilization"] = _objects(
+            _peer_median(self.column("utilization_mean_ratio"), self.group, peers)
+        )
+        self.features = {name: table.column(name).tolist() for name in _EVIDENCE_FEATURES}
 
-    def finite(self, row: int) -> GpuFrame:
-        frame = self._finite[row]
-        if frame is None:
-            frame = self._finite[row] = _finite(self.table.frames[row])
-        return frame
+    def column(self, name: str) -> np.ndarray:
+        return self.figures[:, _FIGURES.index(name)]
 
-    def row(self, row: int) -> dict[str, float]:
-        """The row's features by column, as ``table.row``."""
-        return dict(zip(self.table.columns, self._values[row], strict=True))
+    def raw_column(self, name: str) -> np.ndarray:
+        return self.raw[:, _FIGURES.index(name)]
 
-    def peers(self, row: int) -> list[GpuFrame]:
-        """The frames of the row's pool in its window that have readings, finite."""
-        frame = self.table.frames[row]
-        key = (frame.host, pool_name(frame), frame.t_start)
-        return [
-            self.finite(i)
-            for i in self.pools[key]
-            if i != row and self.table.frames[i].sample_count > 0
-        ]
+    def is_none(self, name: str) -> np.ndarray:
+        return self.none[:, _NONE_READ.index(name)]
 
+    def guarded(self, min_coverage: float) -> np.ndarray:
+        """The rows :func:`_unknown_reason` gives a reason for."""
+        stale_init = np.array([f.stale_call == "nvmlInit" for f in self.table.frames], dtype=bool)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            coverage = np.where(self.expected == 0, 0.0, self.samples / self.expected)
+        return stale_init | self.lost | ~(coverage >= min_coverage)
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(GpuFrame))
-_FIELD_VALUES = operator.attrgetter(*_FIELDS)
-# the fields that hold numbers (or None): the only ones a NaN can be in
-_FIGURE_VALUES = operator.attrgetter(
-    *(f.name for f in dataclasses.fields(GpuFrame) if re.search(r"\b(float|int)\b", str(f.type)))
-)
+    def ruled_out(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, whether the figures rule out host_bound and io_bound (no traffic reached
+        the GPU), and throttling (full clock, no slowdown reason), as :func:`_ruled_out`."""
+        raw = self.raw_column
 
+        def nothing(name: str) -> np.ndarray:  # ``not value``: None, zero
+            return self.is_none(name) | (raw(name) == 0)
 
-def _finite(frame: GpuFrame) -> GpuFrame:
-    """The frame with NaN or infinite figures (a damaged recording) as None: unknown."""
-    # a sum of finite figures is finite (or overflows: then each is looked at); None and
-    # zeros left out of it change nothing, and filter drops them without a Python loop
-    if math.isfinite(sum(filter(None, _FIGURE_VALUES(frame)))):
-        return frame
-    values = _FIELD_VALUES(frame)
-    bad = {
-        name: None
-        for name, value in zip(_FIELDS, values, strict=True)
-        if isinstance(value, float) and not math.isfinite(value)
-    }
-    return dataclasses.replace(frame, **bad) if bad else frame
+        no_traffic = (
+            (raw("completions_per_second") == 0)
+            & nothing("queue_depth_max")
+            & nothing("running_mean")
+        )
+        unthrottled = (raw("throttled_ratio") == 0) & ~self.throttle_reasons
+        full_clock = self.is_none("sm_clock_ratio") | (raw("sm_clock_ratio") >= 0.99)
+        return no_traffic, unthrottled & full_clock
 
 
-def _median(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
+def _objects(values: np.ndarray) -> list[float | None]:
+    """``values`` as Python floats, None where NaN."""
+    out = values.astype(object)
+    out[np.isnan(values)] = None
+    return out.tolist()
+
+
+def _peer_median(values: np.ndarray, group: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """Per row, the median of the known ``values`` of the other ``eligible`` rows of its
+    group (NaN when none), as ``statistics.median`` gives it: the middle value, or the mean of
+    the two middle ones."""
+    n = len(values)
+    known = eligible & ~np.isnan(values)
+    order = np.lexsort((np.where(known, values, np.inf), group))
+    ranked = values[order]
+    groups = int(group.max()) + 1 if n else 0
+    start = np.searchsorted(group[order], np.arange(groups))
+    count = np.bincount(group[known], minlength=groups)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - start[group[order]]
+    mine = known.astype(np.int64)  # the row's own value is among its group's known ones
+    k = count[group] - mine
+    first = start[group]
+
+    def remaining(j: np.ndarray) -> np.ndarray:
+        """The j-th smallest known value of the group without the row's own."""
+        skip = (mine == 1) & (j >= rank)
+        at = np.clip(first + j + skip, 0, max(n - 1, 0))
+        return ranked[at] if n else np.zeros(0)
+
+    middle = np.maximum(k - 1, 0) // 2
+    odd = remaining(middle)
+    even = (remaining(np.maximum(k // 2 - 1, 0)) + remaining(k // 2)) / 2
+    return np.where(k == 0, np.nan, np.where(k % 2 == 1, odd, even))
 
 
 def _state_probabilities(
     probabilities: np.ndarray, labels: Sequence[tuple[State, Cause]]
-) -> list[list[float]]:
+) -> np.ndarray:
     """Per row, each of :data:`STATES_SUMMED`' probability: the sum of its labels' (NaN as 0),
     added in label order, as the rows' own loop would."""
     known = np.where(np.isnan(probabilities), 0.0, probabilities)
     sums = np.zeros((len(STATES_SUMMED), len(probabilities)))
     for column, (state, _) in enumerate(labels):
         sums[STATES_SUMMED.index(state)] += known[:, column]
-    return sums.T.tolist()
+    return sums.T
+
+
+def _causes(
+    probabilities: np.ndarray,
+    labels: Sequence[tuple[State, Cause]],
+    best: np.ndarray,
+    no_traffic: np.ndarray,
+    unthrottled: np.ndarray,
+) -> np.ndarray:
+    """Per row, the index in CAUSES of the likeliest cause of its ``best`` state (an index in
+    JUDGED), ruled-out causes' probability moved to the state's likeliest allowed cause first.
+
+    The causes of a state are its labels' in label order and then, where the rules left it
+    none, its fallback: of equal probabilities the first wins, as ``max`` over a dict does.
+    """
+    n = len(probabilities)
+    known = np.where(np.isnan(probabilities), 0.0, probabilities)
+    out = np.zeros(n, dtype=np.int64)
+    for s, state in enumerate(JUDGED):
+        rows = np.flatnonzero(best == s)
+        if not len(rows):
+            continue
+        columns = [j for j, (of, _) in enumerate(labels) if of == state]
+        causes = [labels[j][1] for j in columns]
+        p = known[np.ix_(rows, columns)] if columns else np.zeros((len(rows), 0))
+        ruled = np.zeros(p.shape, dtype=bool)
+        for i, cause in enumerate(causes):
+            if cause in ("host_bound", "io_bound"):
+                ruled[:, i] = no_traffic[rows]
+            elif cause == "throttling":
+                ruled[:, i] = unthrottled[rows]
+        moved = np.zeros(len(rows))
+        for i in range(len(causes)):  # in label order, as the loop adds them
+            moved = moved + np.where(ruled[:, i], p[:, i], 0.0)
+        allowed = (p > 0) & ~ruled
+        fallback = FALLBACK_CAUSE[state]
+        target = np.full(len(rows), CAUSES.index(fallback))
+        cause_index = np.array([CAUSES.index(c) for c in causes], dtype=np.int64)
+        allowed_any = allowed.any(axis=1)
+        if causes:
+            pick = np.argmax(np.where(allowed, p, -np.inf), axis=1)
+            target[allowed_any] = cause_index[pick[allowed_any]]
+        fits = np.isin(target, [CAUSES.index(c) for c in CAUSES_OF[state]])
+        target[~fits] = CAUSES.index(fallback)
+        # the candidates: the label causes not ruled out, in order, then the target when it
+        # is none of them
+        scores = np.where(ruled, -np.inf, p)
+        in_labels = (cause_index[None, :] == target[:, None]) & ~ruled
+        scores = scores + np.where(in_labels, moved[:, None], 0.0)
+        extra = np.where(in_labels.any(axis=1), -np.inf, moved)
+        scores = np.concatenate([scores, extra[:, None]], axis=1)
+        options = np.concatenate(
+            [np.broadcast_to(cause_index, (len(rows), len(causes))), target[:, None]], axis=1
+        )
+        chosen = options[np.arange(len(rows)), np.argmax(scores, axis=1)]
+        out[rows] = chosen
+    return out
+
+
+def _persist(
+    kinds: np.ndarray,
+    candidates: np.ndarray,
+    states: np.ndarray,
+    persistence: int,
+    enter: float,
+    leave: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Persistence and hysteresis over each GPU's windows: ``kinds``, ``candidates`` (pair
+    numbers) and ``states`` (probabilities of STATES_SUMMED) are (GPU, window) grids, a
+    window at a time over every GPU at once. Returns the pair each GPU holds after each
+    window, the note its evidence ends with, and the windows a pending change has counted."""
+    gpus, windows = kinds.shape
+    held = np.full(gpus, _NO_PAIR)
+    pending = np.full(gpus, _NO_PAIR)
+    counted = np.zeros(gpus, dtype=np.int64)
+    held_out = np.full((gpus, windows), _NO_PAIR)
+    notes = np.zeros((gpus, windows), dtype=np.int64)
+    counts = np.zeros((gpus, windows), dtype=np.int64)
+    crash = _pair("starved", "worker_crash")
+    everyone = np.arange(gpus)
+    for w in range(windows):
+        kind, candidate = kinds[:, w], candidates[:, w]
+        reset = (kind == _MISSING) | (kind == _GUARDED) | (kind == _UNJUDGEABLE)
+        crashed = kind == _CRASHED
+        judged = kind == _JUDGED
+        first = judged & (held == _NO_PAIR)
+        same = judged & ~first & (candidate == held)
+        change = judged & ~first & ~same
+        new_state = np.maximum(candidate, 0) // len(CAUSES)
+        held_state = np.maximum(held, 0) // len(CAUSES)
+        # the same state with another cause needs persistence alone
+        supports = (new_state == held_state) | (
+            (states[everyone, w, new_state] >= enter) & (states[everyone, w, held_state] < leave)
+        )
+        leans = change & ~supports
+        counting = change & supports
+        counted = np.where(counting, np.where(pending == candidate, counted + 1, 1), counted)
+        pending = np.where(counting, candidate, pending)
+        done = counting & (counted >= persistence)
+        notes[:, w] = np.where(leans, _LEANS, np.where(counting & ~done, _PENDING, _NO_NOTE))
+        counts[:, w] = counted
+        held = np.where(reset, _NO_PAIR, held)
+        held = np.where(crashed, crash, held)
+        held = np.where(first | done, candidate, held)
+        clear = reset | crashed | same | leans | done
+        pending = np.where(clear, _NO_PAIR, pending)
+        counted = np.where(clear, 0, counted)
+        held_out[:, w] = held
+    return held_out, notes, counts
 
 
 def _unknown_reason(
@@ -227,65 +437,86 @@ def _unknown_reason(
     )
 
 
-def _ruled_out(frame: GpuFrame) -> set[Cause]:
-    """Causes the figures exclude whatever the classifier says."""
-    out: set[Cause] = set()
-    no_traffic = (
-        frame.completions_per_second == 0 and not frame.queue_depth_max and not frame.running_mean
-    )
-    if no_traffic:
-        # nothing reached it: no host or disk stood between it and its work
-        out |= {"host_bound", "io_bound"}
-    unthrottled = frame.throttled_ratio == 0 and not frame.throttle_reasons
-    if unthrottled and (frame.sm_clock_ratio is None or frame.sm_clock_ratio >= 0.99):
-        out.add("throttling")
-    return out
-
-
 class _Evidence:
-    """Sentences a person can check on a dashboard: a figure, its value, what it is against."""
+    """Sentences a person can check on a dashboard: a figure, its value, what it is against.
 
-    def __init__(self, context: _Context) -> None:
-        self.context = context
+    Each row's figures come from :class:`_Rows`' lists (None where unknown), its peers'
+    medians made there for every row at once.
+    """
+
+    def __init__(self, rows: _Rows) -> None:
+        self.rows = rows
+        self.v = rows.values
+        self.f = rows.features
+        figure, feature = rows.column, rows.table.column
+        with np.errstate(invalid="ignore"):
+            # the rows with a sentence besides the load whatever their state and cause, and
+            # those with a batch sentence when starved: the others' evidence is the load alone
+            io = (np.nan_to_num(figure("host_io_pressure_ratio")) >= 0.1) | (
+                np.nan_to_num(figure("host_iowait_ratio")) >= 0.1
+            )
+            failures = np.nan_to_num(figure("allocation_failures")) != 0
+            memory = failures | (feature("memory_used_ratio") >= 0.9)
+            own = feature("throughput_vs_own_best_ratio")
+            throughput = ~np.isnan(figure("completions_per_second")) & (own > 0) & (own < 0.8)
+            idle = (feature("idle_while_peer_queued") >= 0.2) & np.isfinite(
+                feature("peer_queue_max_batches")
+            )
+            coverage = (rows.stale > 0) | (rows.samples < rows.expected)
+            pinned = ~np.isnan(figure("feeder_cpu_cores_max")) & (
+                feature("feeder_cpu_pinned") >= 0.5
+            )
+            fill = feature("batch_fill_ratio")
+            batch = (
+                (feature("batch_delay_share") >= 0.3)
+                | (figure("batch_delay_seconds") >= 0.5)
+                | (~np.isnan(figure("batch_size_mean")) & np.isfinite(fill) & (fill != 0))
+            )
+        more = io | memory | throughput | idle | coverage | pinned | rows.throttle_reasons
+        self.more, self.batch = more.tolist(), batch.tolist()
+        self.io, self.memory, self.throughput = io.tolist(), memory.tolist(), throughput.tolist()
+        self.idle, self.coverage, self.pinned = idle.tolist(), coverage.tolist(), pinned.tolist()
+        self.reasons = rows.throttle_reasons.tolist()
 
     def sentences(self, row: int, state: State, cause: Cause) -> list[str]:
-        frame = self.context.finite(row)
-        features = self.context.row(row)
-        peers = self.context.peers(row)
-        found = {
-            "load": self._load(frame, features, peers),
-            "clock": self._clock(frame, cause),
-            "feeder": self._feeder(frame, features, cause),
-            "io": self._io(frame),
-            "memory": self._memory(frame, features),
-            "throughput": self._throughput(frame, features, cause),
-            "batch": self._batch(frame, features, state),
-            "idle": self._idle(features),
-            "coverage": self._coverage(frame),
-        }
-        first = {
-            "throttling": ("clock", "throughput"),
-            "host_bound": ("feeder",),
-            "io_bound": ("io",),
-            "memory_pressure": ("memory",),
-            "batch_delay": ("batch",),
-            "slow_card": ("throughput",),
-            "routing_skew": ("load", "idle"),
-        }.get(cause, ("load",))
+        if (
+            not self.more[row]
+            and cause not in _CAUSE_SENTENCES
+            and not (state == "starved" and self.batch[row])
+        ):
+            return [self._load(row)]
+        # each sentence where it may say something, in this order after the cause's own
+        found = {"load": self._load(row)}
+        if self.reasons[row] or cause == "throttling":
+            found["clock"] = self._clock(row, cause)
+        if self.pinned[row] or cause == "host_bound":
+            found["feeder"] = self._feeder(row, cause)
+        if self.io[row]:
+            found["io"] = self._io(row)
+        if self.memory[row]:
+            found["memory"] = self._memory(row)
+        if self.throughput[row] or cause == "slow_card":
+            found["throughput"] = self._throughput(row, cause)
+        if state == "starved" and self.batch[row]:
+            found["batch"] = self._batch(row, state)
+        if self.idle[row]:
+            found["idle"] = self._idle(row)
+        if self.coverage[row]:
+            found["coverage"] = self._coverage(row)
+        first = _FIRST.get(cause, ("load",))
         order = [*first, *(name for name in found if name not in first)]
-        return [found[name] for name in order if found[name]]
+        return [text for name in order if (text := found.get(name))]
 
-    @staticmethod
-    def _load(frame: GpuFrame, features: Mapping[str, float], peers: list[GpuFrame]) -> str:
+    def _load(self, row: int) -> str:
+        v = self.v
         parts = []
-        queue, utilization = frame.queue_depth_mean, frame.utilization_mean_ratio
-        peer_queue = _median(p.queue_depth_mean for p in peers)
-        peer_utilization = _median(p.utilization_mean_ratio for p in peers)
+        queue, utilization = v["queue_depth_mean"][row], v["utilization_mean_ratio"][row]
+        peer_queue, peer_utilization = v["peer_queue"][row], v["peer_utilization"][row]
         if queue is not None:
+            batches = self.f["queue_batches"][row]
             if peer_queue is not None:
                 parts.append(f"queue {_count(queue)} vs peer median {_count(peer_queue)}")
-            elif _known(features["queue_batches"]) and features["queue_batches"] > 0:
-                batches = features["queue_batches"]
+            elif _known(batches) and batches > 0:
                 parts.append(f"queue {_count(queue)}, {batches:.1f} times its largest batch")
             else:
                 parts.append(f"queue {_count(queue)} with no peer to compare")
@@ -298,25 +529,25 @@ class _Evidence:
             parts.append("no serving queue figures")
         return "; ".join(parts)
 
-    @staticmethod
-    def _clock(frame: GpuFrame, cause: Cause) -> str | None:
+    def _clock(self, row: int, cause: Cause) -> str | None:
+        throttle_reasons = self.rows.table.frames[row].throttle_reasons
         # a clock below its maximum without a reason is boost at work, not news
-        if not frame.throttle_reasons and cause != "throttling":
+        if not throttle_reasons and cause != "throttling":
             return None
-        reasons = ", ".join(sorted(frame.throttle_reasons)) or "no slowdown reason"
-        if frame.sm_clock_ratio is not None:
-            return f"SM clock {_pct(frame.sm_clock_ratio)} of max ({reasons})"
-        if frame.sm_clock_ratio is None and frame.throttled_ratio:
-            return f"throttled {_pct(frame.throttled_ratio)} of the window ({reasons})"
+        reasons = ", ".join(sorted(throttle_reasons)) or "no slowdown reason"
+        clock, throttled = self.v["sm_clock_ratio"][row], self.v["throttled_ratio"][row]
+        if clock is not None:
+            return f"SM clock {_pct(clock)} of max ({reasons})"
+        if throttled:
+            return f"throttled {_pct(throttled)} of the window ({reasons})"
         return None
 
-    @staticmethod
-    def _feeder(frame: GpuFrame, features: Mapping[str, float], cause: Cause) -> str | None:
-        cores = frame.feeder_cpu_cores_max
+    def _feeder(self, row: int, cause: Cause) -> str | None:
+        cores = self.v["feeder_cpu_cores_max"][row]
         if cores is None:
             return None
-        pinned = features["feeder_cpu_pinned"]
-        pressure = frame.host_cpu_pressure_ratio
+        pinned = self.f["feeder_cpu_pinned"][row]
+        pressure = self.v["host_cpu_pressure_ratio"][row]
         tail = f"; host CPU pressure {_pct(pressure)} of the window" if pressure else ""
         if _known(pinned) and pinned >= 0.5:
             return f"feeding process at {cores:.2f} cores (pinned){tail}"
@@ -324,9 +555,8 @@ class _Evidence:
             return f"feeding process at {cores:.2f} cores{tail}"
         return None
 
-    @staticmethod
-    def _io(frame: GpuFrame) -> str | None:
-        pressure, iowait = frame.host_io_pressure_ratio, frame.host_iowait_ratio
+    def _io(self, row: int) -> str | None:
+        pressure, iowait = self.v["host_io_pressure_ratio"][row], self.v["host_iowait_ratio"][row]
         if (pressure or 0) < 0.1 and (iowait or 0) < 0.1:
             return None
         parts = []
@@ -336,52 +566,51 @@ class _Evidence:
             parts.append(f"iowait {_pct(iowait)} of CPU time")
         return ", ".join(parts)
 
-    @staticmethod
-    def _memory(frame: GpuFrame, features: Mapping[str, float]) -> str | None:
-        ratio = features["memory_used_ratio"]
-        used = f"memory {_pct(ratio)} used" if _known(ratio) else "memory use unknown"
-        if frame.allocation_failures:
-            return f"{frame.allocation_failures:.0f} KV allocation failures in the window; {used}"
+    def _memory(self, row: int) -> str | None:
+        ratio = self.f["memory_used_ratio"][row]
+        failures = self.v["allocation_failures"][row]
+        if failures:
+            used = f"memory {_pct(ratio)} used" if _known(ratio) else "memory use unknown"
+            return f"{failures:.0f} KV allocation failures in the window; {used}"
         if _known(ratio) and ratio >= 0.9:
-            total = (frame.memory_total_bytes or 0) / 2**30
+            total = (self.v["memory_total_bytes"][row] or 0) / 2**30
             return f"memory {_pct(ratio)} of {total:.0f} GiB used"
         return None
 
-    @staticmethod
-    def _throughput(frame: GpuFrame, features: Mapping[str, float], cause: Cause) -> str | None:
-        completions = frame.completions_per_second
-        own, peers = features["throughput_vs_own_best_ratio"], features["throughput_vs_peers_ratio"]
+    def _throughput(self, row: int, cause: Cause) -> str | None:
+        completions = self.v["completions_per_second"][row]
         if completions is None:
             return None
+        own = self.f["throughput_vs_own_best_ratio"][row]
+        peers = self.f["throughput_vs_peers_ratio"][row]
         if cause == "slow_card" and _known(peers) and peers > 0:
             return f"completions {completions:.1f}/s vs peer mean {completions / peers:.1f}/s"
         if _known(own) and 0 < own < 0.8:
             return f"completions {completions:.1f}/s vs its own best {completions / own:.1f}/s"
         return None
 
-    @staticmethod
-    def _batch(frame: GpuFrame, features: Mapping[str, float], state: State) -> str | None:
+    def _batch(self, row: int, state: State) -> str | None:
         if state != "starved":
             return None  # a busy GPU's requests wait in its queue, not for a batch to fill
-        share, fill = features["batch_delay_share"], features["batch_fill_ratio"]
+        share, fill = self.f["batch_delay_share"][row], self.f["batch_fill_ratio"][row]
+        delay, size = self.v["batch_delay_seconds"][row], self.v["batch_size_mean"][row]
         if _known(share) and share >= 0.3:
             return f"batch assembly {_pct(share)} of request time"
-        if frame.batch_delay_seconds is not None and frame.batch_delay_seconds >= 0.5:
-            return f"oldest request waits {frame.batch_delay_seconds:.2f} s for its batch"
-        if frame.batch_size_mean is not None and _known(fill) and fill:
-            largest = frame.batch_size_mean / fill
-            return f"mean batch {frame.batch_size_mean:.1f} of {largest:.0f} ({_pct(fill)} full)"
+        if delay is not None and delay >= 0.5:
+            return f"oldest request waits {delay:.2f} s for its batch"
+        if size is not None and _known(fill) and fill:
+            largest = size / fill
+            return f"mean batch {size:.1f} of {largest:.0f} ({_pct(fill)} full)"
         return None
 
-    @staticmethod
-    def _idle(features: Mapping[str, float]) -> str | None:
-        idle, peer = features["idle_while_peer_queued"], features["peer_queue_max_batches"]
+    def _idle(self, row: int) -> str | None:
+        idle, peer = self.f["idle_while_peer_queued"][row], self.f["peer_queue_max_batches"][row]
         if _known(idle) and idle >= 0.2 and _known(peer):
             return f"idle {_pct(idle)} of its capacity while a peer had {peer:.1f} batches queued"
         return None
 
-    @staticmethod
-    def _coverage(frame: GpuFrame) -> str | None:
+    def _coverage(self, row: int) -> str | None:
+        frame = self.rows.table.frames[row]
         expected = frame.expected_sample_count
         if frame.stale_sample_count:
             call = frame.stale_call or "an NVML call"
@@ -393,20 +622,18 @@ class _Evidence:
         return None
 
 
-@dataclass
-class _Track:
-    """One GPU's held verdict and the change it may be on the way to."""
-
-    held: tuple[State, Cause] | None = None
-    pending: tuple[State, Cause] | None = None
-    pending_windows: int = 0
-    last_reading_end: float | None = None
-    # the pool it last served: a lost GPU or a crashed worker names no queues, yet its pool
-    # is still the one it belongs to
-    pool: str = ""
-
-    def reset(self) -> None:
-        self.held, self.pending, self.pending_windows = None, None, 0
+# the causes that bring a sentence of their own (clock, feeder, throughput)
+_CAUSE_SENTENCES = frozenset({"throttling", "host_bound", "slow_card"})
+# the sentences a cause's evidence starts with
+_FIRST: Mapping[str, tuple[str, ...]] = {
+    "throttling": ("clock", "throughput"),
+    "host_bound": ("feeder",),
+    "io_bound": ("io",),
+    "memory_pressure": ("memory",),
+    "batch_delay": ("batch",),
+    "slow_card": ("throughput",),
+    "routing_skew": ("load", "idle"),
+}
 
 
 class Verdicts:
@@ -440,51 +667,117 @@ class Verdicts:
             )
         if self.persistence_windows < 1:
             raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
-        context = _Context(table)
-        judged = self._judge(table, context)
-        judged.sort(key=lambda item: (item[0].t_start, item[0].host, item[0].gpu))
-        return Diagnosis(tuple(v for v, _ in judged), tuple(self._fleet(table, judged)))
+        with collection_paused():
+            judged = self._judge(table)
+            judged.sort(key=lambda item: (item[0].t_start, item[0].host, item[0].gpu))
+            return Diagnosis(tuple(v for v, _ in judged), tuple(self._fleet(table, judged)))
 
     # per GPU
 
-    def _judge(self, table: FeatureTable, context: _Context) -> list[tuple[Verdict, int | None]]:
-        if not table.frames:
+    def _judge(self, table: FeatureTable) -> list[tuple[Verdict, int | None]]:
+        """Every GPU's verdict in every window its host reported, gaps included, in GPU order
+        (first seen first), then time; the table row each came from (None: a gap)."""
+        frames = table.frames
+        if not frames:
             return []
+        rows = _Rows(table)
         labels = [split_label(str(label)) for label in self.classifier.classes_]
         matrix = np.asarray(self.classifier.predict_proba(table), dtype=np.float64)
         states = _state_probabilities(matrix, labels)
-        # Python floats, converted once for all rows: the rows are judged one by one
-        probabilities = matrix.tolist()
-        evidence = _Evidence(context)
-        by_gpu: dict[tuple[str, str], list[int]] = {}
-        windows: dict[str, set[float]] = {}  # host -> the windows it reported
-        for i, frame in enumerate(table.frames):
-            by_gpu.setdefault((frame.host, frame.uuid), []).append(i)
-            windows.setdefault(frame.host, set()).add(frame.t_start)
+        n = len(frames)
+        best = np.argmax(states[:, : len(JUDGED)], axis=1)  # of equal ones the first
+        unjudgeable = states[:, STATES_SUMMED.index("unknown")] >= states[np.arange(n), best]
+        no_traffic, unthrottled = rows.ruled_out()
+        candidates = best * len(CAUSES) + _causes(matrix, labels, best, no_traffic, unthrottled)
+        guarded = rows.guarded(self.min_coverage_ratio)
+        grid = _Grid(frames, rows)
+        pool_before, pool_after = grid.pools(rows.pools)
+        slot_of_row = grid.slot_rows()
+        present = slot_of_row >= 0
+        r = slot_of_row[present]
+        # a GPU read fine whose serving queues are all gone after it served a pool: its worker
+        # is down (crashed, restarting), whatever the classifier makes of an idle GPU
+        crashed = (
+            (pool_before[present] & (rows.queues[r] == 0) & ~rows.lost[r])
+            & (rows.samples[r] > 0)
+            & ~guarded[r]
+        )
+        kind = np.where(
+            guarded[r],
+            _GUARDED,
+            np.where(crashed, _CRASHED, np.where(unjudgeable[r], _UNJUDGEABLE, _JUDGED)),
+        )
+        kinds = np.full(grid.shape, _MISSING)
+        grid_candidates = np.full(grid.shape, _NO_PAIR)
+        grid_states = np.zeros((*grid.shape, len(STATES_SUMMED)))
+        where = grid.position(np.flatnonzero(present))
+        kinds[where] = kind
+        grid_candidates[where] = candidates[r]
+        grid_states[where] = states[r]
+        held, notes, counted = _persist(
+            kinds,
+            grid_candidates,
+            grid_states,
+            self.persistence_windows,
+            self.enter_confidence,
+            self.leave_confidence,
+        )
+        slot_kind = np.full(grid.slots, _MISSING)
+        slot_kind[present] = kind
+        on_slots = grid.on_slots
+        held_l, notes_l, counted_l = on_slots(held), on_slots(notes), on_slots(counted)
+        last_reading = grid.last_reading_end(rows)
+        latest = grid.latest_row()
+        evidence = _Evidence(rows)
+        states_l = states.tolist()
+        candidates_l = candidates.tolist()
         out: list[tuple[Verdict, int | None]] = []
-        for (host, _), rows in by_gpu.items():
-            rows.sort(key=lambda i: table.frames[i].t_start)
-            track = _Track()
-            last = table.frames[rows[0]]
-            # windows by their index from the GPU's first: every one its host reported, gaps
-            # included, through the host's last
-            first, seconds = last.t_start, last.seconds
-            at = {round((table.frames[i].t_start - first) / seconds): i for i in rows}
-            for index in range(round((max(windows[host]) - first) / seconds) + 1):
-                row = at.get(index)
-                if row is None:
-                    out.append((self._missing(last, first + index * seconds, track), None))
-                    continue
-                last = table.frames[row]
-                verdict = self._step(row, probabilities[row], states[row], labels, track, evidence)
-                out.append((verdict, row))
+        for slot, (row, what) in enumerate(
+            zip(slot_of_row.tolist(), slot_kind.tolist(), strict=True)
+        ):
+            pool = pool_after[slot]
+            if what == _MISSING:
+                last = frames[latest[slot]]
+                out.append(
+                    (self._missing(last, grid.t_start(slot), last_reading[slot], pool), None)
+                )
+                continue
+            frame = frames[row]
+            if what == _GUARDED:
+                guard = _unknown_reason(frame, self.min_coverage_ratio, last_reading[slot])
+                assert guard is not None  # the rows guarded are those it has a reason for
+                reason, sentence = guard
+                verdict = _verdict(frame, "unknown", "none", 1.0, (sentence,), reason, pool)
+            elif what == _CRASHED:
+                sentences = (
+                    f"no serving queue of pool {pool} reports from GPU {frame.gpu}: its worker "
+                    "is down",
+                    *evidence.sentences(row, "starved", "worker_crash"),
+                )
+                verdict = _verdict(frame, "starved", "worker_crash", 1.0, sentences, None, pool)
+            elif what == _UNJUDGEABLE:
+                why = self._unjudgeable(rows, row)
+                unknown = states_l[row][STATES_SUMMED.index("unknown")]
+                verdict = _verdict(frame, "unknown", "none", unknown, (why,), why, pool)
+            else:
+                state, cause = _PAIRS[held_l[slot]]
+                sentences = evidence.sentences(row, state, cause)
+                note = notes_l[slot]
+                if note != _NO_NOTE:
+                    sentences.append(
+                        self._note(note, candidates_l[row], state, states_l[row], counted_l[slot])
+                    )
+                confidence = states_l[row][STATES_SUMMED.index(state)]
+                verdict = _verdict(frame, state, cause, confidence, tuple(sentences), None, pool)
+            out.append((verdict, row))
         return out
 
-    def _missing(self, last: GpuFrame, t_start: float, track: _Track) -> Verdict:
+    def _missing(
+        self, last: GpuFrame, t_start: float, last_reading_end: float | None, pool: str
+    ) -> Verdict:
         """A window in which the host reported and this GPU did not."""
-        track.reset()
         t_end = t_start + last.seconds
-        since = t_end - (track.last_reading_end if track.last_reading_end is not None else t_start)
+        since = t_end - (last_reading_end if last_reading_end is not None else t_start)
         reason = f"no samples for {since:.0f} s"
         return Verdict(
             host=last.host,
@@ -497,142 +790,36 @@ class Verdicts:
             confidence=1.0,
             evidence=(f"{reason}: the host reported, GPU {last.gpu} did not",),
             unknown_reason=reason,
-            pool=track.pool,
+            pool=pool,
         )
 
-    def _step(
-        self,
-        row: int,
-        probabilities: Sequence[float],
-        state_probabilities: Sequence[float],
-        labels: Sequence[tuple[State, Cause]],
-        track: _Track,
-        evidence: _Evidence,
-    ) -> Verdict:
-        frame = evidence.context.table.frames[row]
-        # a GPU read fine whose serving queues are all gone after it served a pool: its worker
-        # is down (crashed, restarting), whatever the classifier makes of an idle GPU
-        worker_gone = bool(track.pool) and frame.serving_queues == 0 and not frame.lost
-        track.pool = pool_name(frame) or track.pool
-
-        def verdict(
-            state: State, cause: Cause, confidence: float, sentences: Sequence[str], why: str | None
-        ) -> Verdict:
-            return Verdict(
-                host=frame.host,
-                gpu=frame.gpu,
-                uuid=frame.uuid,
-                t_start=frame.t_start,
-                t_end=frame.t_end,
-                state=state,
-                cause=cause,
-                confidence=round(float(confidence), 4),
-                evidence=tuple(sentences),
-                unknown_reason=why,
-                pool=track.pool,
-            )
-
-        guard = _unknown_reason(frame, self.min_coverage_ratio, track.last_reading_end)
-        if frame.sample_count > 0:
-            track.last_reading_end = frame.t_end  # "no samples for" counts from here
-        if guard is not None:
-            track.reset()
-            return verdict("unknown", "none", 1.0, [guard[1]], guard[0])
-        if worker_gone and frame.sample_count > 0:
-            track.held, track.pending, track.pending_windows = ("starved", "worker_crash"), None, 0
-            sentences = [
-                f"no serving queue of pool {track.pool} reports from GPU {frame.gpu}: its worker "
-                "is down",
-                *evidence.sentences(row, "starved", "worker_crash"),
-            ]
-            return verdict("starved", "worker_crash", 1.0, sentences, None)
-        states = dict(zip(STATES_SUMMED, state_probabilities, strict=True))
-        best = max(JUDGED, key=states.__getitem__)
-        if states["unknown"] >= states[best]:
-            track.reset()
-            why = self._unjudgeable(evidence.context.row(row))
-            return verdict("unknown", "none", states["unknown"], [why], why)
-        candidate = (best, self._cause(frame, best, probabilities, labels))
-        notes: list[str] = []
-        if track.held is None:
-            track.held = candidate
-        elif candidate == track.held:
-            track.pending, track.pending_windows = None, 0
-        else:
-            notes.append(self._change(track, candidate, states))
-        state, cause = track.held
-        sentences = evidence.sentences(row, state, cause) + [n for n in notes if n]
-        return verdict(state, cause, states[state], sentences, None)
-
-    @staticmethod
-    def _cause(
-        frame: GpuFrame,
-        state: State,
-        probabilities: Sequence[float],
-        labels: Sequence[tuple[State, Cause]],
-    ) -> Cause:
-        """The likeliest cause of ``state``, ruled-out causes' probability moved to the state's
-        likeliest allowed cause first."""
-        ruled_out = _ruled_out(frame)
-        causes: dict[Cause, float] = {}
-        moved = 0.0
-        for (of, cause), p in zip(labels, probabilities, strict=True):
-            if of != state:
-                continue
-            p = 0.0 if math.isnan(p) else p
-            if cause in ruled_out:
-                moved += p
-            else:
-                causes[cause] = causes.get(cause, 0.0) + p
-        allowed = {c: p for c, p in causes.items() if p > 0}
-        target = max(allowed, key=allowed.__getitem__) if allowed else FALLBACK_CAUSE[state]
-        if target not in CAUSES_OF[state]:
-            target = FALLBACK_CAUSE[state]
-        causes[target] = causes.get(target, 0.0) + moved
-        return max(causes, key=causes.__getitem__)
-
-    def _change(
-        self, track: _Track, candidate: tuple[State, Cause], states: Mapping[State, float]
+    def _note(
+        self, note: int, candidate: int, held_state: State, states: Sequence[float], counted: int
     ) -> str:
-        """Count this window towards a change of the held verdict; a note on where it stands."""
-        assert track.held is not None
-        held_state = track.held[0]
-        new_state, new_cause = candidate
-        if new_state != held_state:
-            supports = (
-                states[new_state] >= self.enter_confidence
-                and states[held_state] < self.leave_confidence
-            )
-        else:
-            supports = True  # the same state with another cause: persistence alone
-        if not supports:
-            track.pending, track.pending_windows = None, 0
+        """Where a change of the held verdict stands: held back by hysteresis, or counting."""
+        new_state, new_cause = _PAIRS[candidate]
+        new_p = states[STATES_SUMMED.index(new_state)]
+        if note == _LEANS:
+            held_p = states[STATES_SUMMED.index(held_state)]
             return (
-                f"the classifier leans {new_state} ({states[new_state]:.2f}), short of "
+                f"the classifier leans {new_state} ({new_p:.2f}), short of "
                 f"{self.enter_confidence:.2f} to enter it while {held_state} holds "
-                f"({states[held_state]:.2f}, leaves below {self.leave_confidence:.2f})"
+                f"({held_p:.2f}, leaves below {self.leave_confidence:.2f})"
             )
-        if track.pending == candidate:
-            track.pending_windows += 1
-        else:
-            track.pending, track.pending_windows = candidate, 1
-        if track.pending_windows >= self.persistence_windows:
-            track.held, track.pending, track.pending_windows = candidate, None, 0
-            return ""
         return (
-            f"the classifier says {new_state}/{new_cause} ({states[new_state]:.2f}): "
-            f"{track.pending_windows} of {self.persistence_windows} windows to change"
+            f"the classifier says {new_state}/{new_cause} ({new_p:.2f}): "
+            f"{counted} of {self.persistence_windows} windows to change"
         )
 
     @staticmethod
-    def _unjudgeable(features: Mapping[str, float]) -> str:
+    def _unjudgeable(rows: _Rows, row: int) -> str:
         missing = [
             text
             for name, text in (
                 ("utilization_ratio", "no utilization reading"),
                 ("queue_batches", "no serving queue figures"),
             )
-            if math.isnan(features[name])
+            if math.isnan(rows.features[name][row])
         ]
         what = " and ".join(missing) or "figures it cannot read"
         return f"the classifier cannot judge: {what}"
@@ -642,24 +829,26 @@ class Verdicts:
     def _fleet(
         self, table: FeatureTable, judged: Sequence[tuple[Verdict, int | None]]
     ) -> Iterable[FleetVerdict]:
-        groups: dict[tuple[float, str, str], list[tuple[Verdict, int | None]]] = {}
-        for verdict, row in judged:
-            groups.setdefault((verdict.t_start, verdict.host, verdict.pool), []).append(
-                (verdict, row)
-            )
-        # Python floats, converted once for all pools
-        idle = table.column("idle_while_peer_queued").tolist()
-        queue = table.column("queue_batches").tolist()
-        for (t_start, host, pool), members in groups.items():
-            rows = [r for _, r in members if r is not None]
-            values = [idle[r] for r in rows if _known(idle[r])]
-            ratio = round(float(np.mean(values)), 4) if values else None
-            queued = {
-                v.gpu
-                for v, r in members
-                if r is not None and _known(queue[r]) and queue[r] >= QUEUED_BATCHES
-            }
-            kind, sentences = _fleet_kind([v for v, _ in members], queued)
+        keys: dict[tuple[float, str, str], int] = {}
+        group = [keys.setdefault((v.t_start, v.host, v.pool), len(keys)) for v, _ in judged]
+        members: list[list[Verdict]] = [[] for _ in keys]
+        for (verdict, _), g in zip(judged, group, strict=True):
+            members[g].append(verdict)
+        row = np.array([-1 if r is None else r for _, r in judged], dtype=np.int64)
+        ratios = _pool_means(
+            table.column("idle_while_peer_queued"), np.array(group, dtype=np.int64), row
+        )
+        queue = table.column("queue_batches")
+        with np.errstate(invalid="ignore"):
+            mine = queue[np.maximum(row, 0)]
+            waiting = (row >= 0) & np.isfinite(mine) & (mine >= QUEUED_BATCHES)
+        queued: list[set[int]] = [set() for _ in keys]
+        for i in np.flatnonzero(waiting).tolist():
+            queued[group[i]].add(judged[i][0].gpu)
+        for (t_start, host, pool), mine, ratio, waits in zip(
+            keys, members, ratios, queued, strict=True
+        ):
+            kind, sentences = _fleet_kind(mine, waits)
             if ratio is not None:
                 sentences.append(
                     f"idle while queued {_pct(ratio)} of the pool's GPU-time in the window"
@@ -668,12 +857,136 @@ class Verdicts:
                 host=host,
                 pool=pool,
                 t_start=t_start,
-                t_end=members[0][0].t_end,
+                t_end=mine[0].t_end,
                 kind=kind,
-                gpus=tuple(sorted(v.gpu for v, _ in members)),
+                gpus=tuple(sorted(v.gpu for v in mine)),
                 idle_while_queued_ratio=ratio,
                 evidence=tuple(sentences),
             )
+
+
+def _pool_means(values: np.ndarray, group: np.ndarray, row: np.ndarray) -> list[float | None]:
+    """Per pool, the mean of its members' known ``values`` (rounded to 4 places), None when
+    none is known: each pool's values in member order, pools of as many values at once, the
+    same sum as ``np.mean`` of one pool's list."""
+    pools = int(group.max()) + 1 if len(group) else 0
+    value = values[np.maximum(row, 0)]
+    known = (row >= 0) & np.isfinite(value)
+    order = np.flatnonzero(known)
+    order = order[np.argsort(group[order], kind="stable")]
+    count = np.bincount(group[order], minlength=pools)
+    start = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    means = np.full(pools, np.nan)
+    for k in np.unique(count[count > 0]).tolist():
+        of = np.flatnonzero(count == k)
+        at = start[of][:, None] + np.arange(k)[None, :]
+        means[of] = np.mean(value[order[at]], axis=1)
+    return [None if math.isnan(m) else round(m, 4) for m in means.tolist()]
+
+
+def _verdict(
+    frame: GpuFrame,
+    state: State,
+    cause: Cause,
+    confidence: float,
+    evidence: tuple[str, ...],
+    why: str | None,
+    pool: str,
+) -> Verdict:
+    return Verdict(
+        host=frame.host,
+        gpu=frame.gpu,
+        uuid=frame.uuid,
+        t_start=frame.t_start,
+        t_end=frame.t_end,
+        state=state,
+        cause=cause,
+        confidence=round(float(confidence), 4),
+        evidence=evidence,
+        unknown_reason=why,
+        pool=pool,
+    )
+
+
+class _Grid:
+    """Each GPU's windows, from its first through its host's last, gaps included: the slots
+    its verdicts fill, GPU after GPU (first seen first), window after window.
+
+    A row's window is its index from the GPU's first, in the first row's window lengths; of
+    two rows in one window of one GPU the later in time order stands.
+    """
+
+    def __init__(self, frames: Sequence[GpuFrame], rows: _Rows) -> None:
+        gpus: dict[tuple[str, str], int] = {}
+        hosts: dict[str, int] = {}
+        gpu = np.array([gpus.setdefault((f.host, f.uuid), len(gpus)) for f in frames])
+        host = np.array([hosts.setdefault(f.host, len(hosts)) for f in frames])
+        order = np.lexsort((rows.t_start, gpu))  # each GPU's rows in time order, stably
+        head = order[np.searchsorted(gpu[order], np.arange(len(gpus)))]
+        first, seconds = rows.t_start[head], (rows.t_end - rows.t_start)[head]
+        index = np.rint((rows.t_start - first[gpu]) / seconds[gpu]).astype(np.int64)
+        latest = np.full(len(hosts), -np.inf)
+        np.maximum.at(latest, host, rows.t_start)
+        windows = np.rint((latest[host[head]] - first) / seconds).astype(np.int64) + 1
+        self.offset = np.concatenate([[0], np.cumsum(windows)[:-1]]).astype(np.int64)
+        self.slots = int(windows.sum())
+        self.shape = (len(gpus), int(windows.max()))
+        self.gpu_of_slot = np.repeat(np.arange(len(gpus)), windows)
+        self.window_of_slot = np.arange(self.slots) - self.offset[self.gpu_of_slot]
+        slot = (self.offset[gpu] + index)[order[::-1]]
+        taken, last = np.unique(slot, return_index=True)  # the last in time order of each
+        self.row_of_slot = np.full(self.slots, -1)
+        self.row_of_slot[taken] = order[::-1][last]
+        self.first, self.seconds = first.tolist(), seconds.tolist()
+        self.rows = rows
+
+    def slot_rows(self) -> np.ndarray:
+        """Each slot's row, -1 for a gap."""
+        return self.row_of_slot
+
+    def position(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.gpu_of_slot[slots], self.window_of_slot[slots]
+
+    def on_slots(self, grid: np.ndarray) -> list[int]:
+        return grid[self.gpu_of_slot, self.window_of_slot].tolist()
+
+    def t_start(self, slot: int) -> float:
+        g = int(self.gpu_of_slot[slot])
+        return self.first[g] + int(self.window_of_slot[slot]) * self.seconds[g]
+
+    def _latest(self, marked: np.ndarray, before: bool) -> np.ndarray:
+        """Per slot, the latest marked slot of its GPU at it (or before it), -1 for none."""
+        at = np.maximum.accumulate(np.where(marked, np.arange(self.slots), -1))
+        if before:
+            at = np.concatenate([[-1], at[:-1]])
+        return np.where(at >= self.offset[self.gpu_of_slot], at, -1)
+
+    def latest_row(self) -> list[int]:
+        """Per slot, the GPU's latest row at or before it (its first slot always has one)."""
+        at = self._latest(self.row_of_slot >= 0, before=False)
+        return self.row_of_slot[at].tolist()
+
+    def pools(self, names: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+        """Per slot, whether the GPU served a pool before it, and the pool it last served up
+        to it: a lost GPU or a crashed worker names no queues, yet its pool is still the one
+        it belongs to."""
+        named = np.array([bool(p) for p in names], dtype=bool)
+        rows = self.row_of_slot
+        marked = (rows >= 0) & named[np.maximum(rows, 0)]
+        before = self._latest(marked, before=True) >= 0
+        after = self._latest(marked, before=False)
+        return before, [names[rows[s]] if s >= 0 else "" for s in after.tolist()]
+
+    def last_reading_end(self, rows: _Rows) -> list[float | None]:
+        """Per slot, when the GPU's last window with readings before it ended ("no samples
+        for" counts from there)."""
+        slot_rows = self.row_of_slot
+        marked = (slot_rows >= 0) & (rows.samples[np.maximum(slot_rows, 0)] > 0)
+        at = self._latest(marked, before=True)
+        ends = rows.t_end[slot_rows[at]]
+        return [
+            float(e) if a >= 0 else None for a, e in zip(at.tolist(), ends.tolist(), strict=True)
+        ]
 
 
 def _gpus(verdicts: Iterable[Verdict]) -> str:

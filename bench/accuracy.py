@@ -8,7 +8,8 @@ verdicts (`Verdicts` over the held-out model: rules, persistence and hysteresis 
 family, and the confusion matrix of the verdicts.
 
 The lab's frames and labels of each run are cached under CACHE (keyed by the scenario and the
-lab's source), so a second run only recomputes the features and the model.
+lab's source), so a second run only recomputes the features and the model. JOBS processes run
+the lab and then the held-out fits (one family each at a time).
 
     python bench/accuracy.py [--count 3] [--seed 1] [--jobs 1] [--cache DIR] [--json FILE]
 """
@@ -137,32 +138,63 @@ def verdict_labels(
     return out
 
 
+# the dataset the held-out fits read: set before the fold processes fork, so that each reads
+# it from memory instead of a pickled copy
+_DATA: train.Dataset | None = None
+
+
+def _fold(
+    args: tuple[str, int, list[dict[str, Any]]],
+) -> tuple[str, list[str], list[str], list[list[str]]]:
+    """One family held out: the raw model's labels and the verdicts of the same fit."""
+    family, max_iter, settings = args
+    data = _DATA
+    assert data is not None
+    held = np.asarray(data.groups) == family
+    fitting = data.subset(~held)
+    model = GpuStateClassifier(max_iter=max_iter).fit(fitting.table, fitting.labels)
+    test = data.subset(held)
+    raw = [str(label) for label in model.predict(test.table)]
+    verdicts = verdict_labels(model, test)
+    others = [verdict_labels(model, test, options) for options in settings]
+    return family, raw, verdicts, others
+
+
 def held_out(
-    data: train.Dataset, max_iter: int = 300, settings: list[dict[str, Any]] | None = None
+    data: train.Dataset,
+    max_iter: int = 300,
+    settings: list[dict[str, Any]] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """What `train.cross_validate` does (one family held out per fit), on the raw model's
-    labels and on the verdicts of the same fit."""
+    labels and on the verdicts of the same fit; ``jobs`` families at a time."""
+    global _DATA
     groups = np.asarray(data.groups)
     labels = list(data.labels)
     raw = [""] * len(data)
     verdicts = [""] * len(data)
     others = [[""] * len(data) for _ in settings or []]
     families = sorted(set(data.groups))
+    _DATA = data
+    folds = [(family, max_iter, list(settings or [])) for family in families]
     with progress("held-out families", len(families)) as advance:
-        for family in families:
-            held = groups == family
-            fitting = data.subset(~held)
-            model = GpuStateClassifier(max_iter=max_iter).fit(fitting.table, fitting.labels)
-            test = data.subset(held)
-            index = np.flatnonzero(held)
-            for i, label in zip(index, model.predict(test.table), strict=True):
-                raw[i] = str(label)
-            for i, label in zip(index, verdict_labels(model, test), strict=True):
-                verdicts[i] = label
-            for j, options in enumerate(settings or []):
-                for i, label in zip(index, verdict_labels(model, test, options), strict=True):
-                    others[j][i] = label
-            advance()
+        if jobs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            context = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+                results = list(_advancing(pool.map(_fold, folds), advance))
+        else:
+            results = list(_advancing(map(_fold, folds), advance))
+    _DATA = None
+    for family, fold_raw, fold_verdicts, fold_others in results:
+        index = np.flatnonzero(groups == family)
+        for j, i in enumerate(index):
+            raw[i] = fold_raw[j]
+            verdicts[i] = fold_verdicts[j]
+            for k, other in enumerate(fold_others):
+                others[k][i] = other[j]
 
     def part(predicted: list[str], family: str) -> dict[str, Any]:
         index = np.flatnonzero(groups == family)
@@ -183,6 +215,12 @@ def held_out(
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _advancing(results: Any, advance: Any) -> Any:
+    for result in results:
+        advance()
+        yield result
 
 
 def print_report(data: train.Dataset, result: dict[str, Any]) -> None:
@@ -245,7 +283,7 @@ def main() -> None:
         dict(zip(("persistence_windows", "enter_confidence", "leave_confidence"), v, strict=True))
         for v in ((int(a), float(b), float(c)) for a, b, c in (x.split(":") for x in args.verdicts))
     ]
-    result = held_out(data, args.max_iter, settings)
+    result = held_out(data, args.max_iter, settings, args.jobs)
     print(f"held-out fits: {time.perf_counter() - started:.0f} s")
     print_report(data, result)
     if args.json:

@@ -374,13 +374,14 @@ def service_cycle(server: Prometheus, start: float, end: float) -> dict[str, flo
     return {"whole": _median(whole), "cycle": _median(cycle), "gpu_windows": len(frames)}
 
 
-# one query per metric family instead of one per label value: what merging would save
-MERGED_CPU_MODES = "sum by (instance, mode) (increase(gpubalance_host_cpu_seconds_total[30s]))"
+# the host CPU figures as the source read them before the exporter summed them over the CPUs:
+# Prometheus summing a series per CPU and mode of every host
+PER_CPU_MODES = "sum by (instance, mode) (increase(gpubalance_host_cpu_seconds_total[30s]))"
 
 
 def query_costs(server: Prometheus, end: float) -> dict[str, float]:
     """Prometheus CPU seconds of each of the source's queries for the latest window, run one
-    at a time (median of 3), and of the host CPU modes' 8 queries merged into one."""
+    at a time (median of 3), and of the host CPU figures summed from the per-CPU series."""
     from gpubalance.analyzer.prometheus import PrometheusSource, _duration, _queries
 
     source = PrometheusSource(server.url, timeout=120.0)
@@ -389,7 +390,7 @@ def query_costs(server: Prometheus, end: float) -> dict[str, float]:
         return metric + "{" + ",".join(matchers) + "}" if matchers else metric
 
     queries = _queries(select, _duration(WINDOW_SECONDS), "instance")
-    queries["cpu modes merged"] = MERGED_CPU_MODES
+    queries["per-CPU modes"] = PER_CPU_MODES
     costs: dict[str, list[float]] = {name: [] for name in queries}
     for _ in range(3):
         for name, query in queries.items():
@@ -614,16 +615,16 @@ def _where_the_time_goes(
     long_cpu = {k: _median([t.cpu_seconds[k] for t in long]) for k in long[0].cpu_seconds}
     analyzer = cpu["source"] + cpu["features"] + cpu["verdicts"]
     costs = dict(context["queries"])
-    merged = costs.pop("cpu modes merged")
+    per_cpu = costs.pop("per-CPU modes")
     families = {
-        "host CPU seconds (a series per CPU and mode of every host)": sum(
-            v for k, v in costs.items() if k.startswith("cpu_")
-        ),
+        "host CPU seconds (the exporter's sum over CPUs, a series per mode of every host)": costs[
+            "cpu"
+        ],
         "throttle reasons": sum(v for k, v in costs.items() if k.startswith("reasons_")),
         "serving queues": sum(v for k, v in costs.items() if k in SERVING_QUERIES),
     }
     families["the GPUs' own and the rest"] = sum(costs.values()) - sum(families.values())
-    apart = families[next(iter(families))]
+    exporter_sum = families[next(iter(families))]
     cycle = context["cycle"]
     return (
         f"Where the time goes (latest window, CPU seconds): Prometheus {cpu['prometheus']:.2f} "
@@ -634,20 +635,14 @@ def _where_the_time_goes(
         "cost follows the series a query selects, not the number of queries: run one at a time, "
         "the queries cost "
         + ", ".join(f"{name} {value:.2f}" for name, value in families.items())
-        + f"; the 8 queries of the host CPU modes merged into one (`{MERGED_CPU_MODES}`) cost "
-        f"{merged:.2f} against their {apart:.2f} apart"
-        + (
-            ", so merging queries saves Prometheus next to nothing and the source keeps one per "
-            "figure"
-            if merged > 0.8 * apart
-            else ""
-        )
+        + f"; the same host CPU figures summed by Prometheus from the per-CPU series (a series "
+        f"per CPU and mode of every host, as the source read them before: `{PER_CPU_MODES}`) "
+        f"cost {per_cpu:.2f} against {exporter_sum:.2f}"
         + f". Over the {context['args'].windows}-window range the analyzer's CPU seconds are "
         f"source {long_cpu['source']:.2f}, features {long_cpu['features']:.2f} and verdicts "
         f"{long_cpu['verdicts']:.2f}"
         + (
-            " (the verdicts, per row in Python: rules, persistence, evidence sentences, are "
-            "the largest share)"
+            " (the verdicts, their evidence sentences written row by row, are the largest share)"
             if long_cpu["verdicts"] > max(long_cpu["source"], long_cpu["features"])
             else ""
         )

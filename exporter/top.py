@@ -28,6 +28,10 @@ from rich.text import Text
 from gpubalance.snapshot import Snapshot, from_json
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import RenderableType
+
     from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport
 
 GIB = 1024**3
@@ -332,11 +336,16 @@ def _read_error(url: str, exc: OSError | ValueError, what: str = "exporter") -> 
 
 
 def watch(
-    url: str, refresh: float = 1.0, duration: float | None = None, analyzer: str | None = None
+    url: str,
+    refresh: float = 1.0,
+    duration: float | None = None,
+    analyzer: str | None = None,
+    below: Callable[[], RenderableType] | None = None,
 ) -> int:
     """Show ``url`` every ``refresh`` s, for ``duration`` s or until Ctrl-C, with ``analyzer``'s
-    panel below when given. Returns 1 when the last read of the exporter failed (in a pipe, the
-    first failure ends the run), else 0; an analyzer that cannot be read is shown, not fatal."""
+    panel below when given, and what ``below`` draws under it (the demo's loop panel). Returns 1
+    when the last read of the exporter failed (in a pipe, the first failure ends the run), else
+    0; an analyzer that cannot be read is shown, not fatal."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a pipe or a log file: no reason to truncate columns
@@ -351,6 +360,8 @@ def watch(
                 view: Group | Text = render(fetch(url))
                 if analyzer is not None:
                     view = Group(view, _analysis_view(analyzer))
+                if below is not None:
+                    view = Group(view, below())
                 failed = False
             except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
                 failed = True

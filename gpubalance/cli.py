@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "dashboards": ("gpubalance.dashboards.cli", "write the Grafana dashboards as JSON"),
     "report": ("gpubalance.analyzer.report", "an HTML page of plots of a recorded run"),
     "deploy": ("gpubalance.deploy", "deploy kit: the Kubernetes PrometheusRule of the rules files"),
+    "run": ("gpubalance.run", "exporter, analyzer and controller of one host in one command"),
     "bench": ("gpubalance.lab.loop_bench", "benchmarks: bench loop, the closed loop in the lab"),
 }
 # a command's own subcommands (`gpubalance analyzer train`): the module's add_commands(sub) adds

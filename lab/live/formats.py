@@ -5,6 +5,9 @@
 - ``triton``: Triton Inference Server 2.x (``docs/user_guide/metrics.md``): labels ``model`` and
   ``version``; execution metrics of a GPU instance also carry ``gpu_uuid``; latencies are
   cumulative microsecond counters; avg batch size is inference count / execution count.
+- ``tgi``: Text Generation Inference 3.x (``router/src/server.rs``): one unlabelled router
+  queue, with histograms of request latency, queue time and the size of each new batch (the
+  lab's has only the +Inf bucket of the last: its sum and count are what the exporter reads).
 
 The names, types and labels follow those servers, so the exporter's serving adapters parse a
 lab worker as they parse the real thing.
@@ -12,6 +15,8 @@ lab worker as they parse the real thing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpubalance.exporter.exposition.text import Exposition, format_value
@@ -20,10 +25,14 @@ G, C, H = "gauge", "counter", "histogram"
 
 
 class _Histogram(Protocol):
-    buckets: tuple[float, ...]
-    counts: list[int]
-    sum: float
-    count: int
+    @property
+    def buckets(self) -> tuple[float, ...]: ...
+    @property
+    def counts(self) -> Sequence[int]: ...
+    @property
+    def sum(self) -> float: ...
+    @property
+    def count(self) -> int: ...
 
 
 def _histogram(
@@ -162,8 +171,29 @@ def triton(worker: Any) -> Exposition:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    """A histogram known by its sum and count only."""
+
+    sum: float
+    count: int
+    buckets: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+
+
+def tgi(worker: Any) -> Exposition:
+    out = Exposition()
+    out.add("tgi_queue_size", G, "Current queue size", len(worker.queue), {})
+    out.add("tgi_batch_current_size", G, "Current batch size", worker.running, {})
+    _histogram(out, "tgi_request_duration", "Request duration", worker.latency, {})
+    _histogram(out, "tgi_request_queue_duration", "Time spent in the queue", worker.queue_time, {})
+    batches = _Totals(worker.batch_size_sum, worker.batches)
+    _histogram(out, "tgi_batch_next_size", "Batch size of the next batch", batches, {})
+    return out
+
+
 # an OTLP-pushing worker still answers /metrics (nobody scrapes it): in vLLM's format
-FORMATS = {"vllm": vllm, "triton": triton, "otlp": vllm}
+FORMATS = {"vllm": vllm, "triton": triton, "tgi": tgi, "otlp": vllm}
 
 
 def render_metrics(name: str, worker: Any) -> str:

@@ -56,7 +56,7 @@ from gpubalance.telemetry import Sample
 
 log = logging.getLogger(__name__)
 
-SCRAPED_FORMATS = ("vllm", "triton")  # the workers' /metrics formats the exporter scrapes
+SCRAPED_FORMATS = ("vllm", "triton", "tgi")  # the workers' /metrics formats the exporter scrapes
 STATE_PERIOD_SECONDS = 0.25  # how often the driver state and procfs tree are rewritten
 BUILD_DIR = Path("build") / "fakenvml"
 # HAProxy weights are integers 0..256: the lab's float weights are scaled to this maximum

@@ -59,7 +59,7 @@ class WorkerConfig:
     threads: int
     io_mb_per_request: float
     port: int
-    metrics_format: str = "vllm"  # vllm | triton | otlp (pushes to otlp_endpoint)
+    metrics_format: str = "vllm"  # vllm | triton | tgi | otlp (pushes to otlp_endpoint)
     otlp_endpoint: str | None = None
     host: str = "127.0.0.1"
 

@@ -1,22 +1,17 @@
-"""The analyzer's panel in `gpubalance top`, and `make demo` showing it live in a pipe."""
+"""The analyzer's panel in `gpubalance top` (tests/lab/test_demo.py shows it live in `make
+demo`)."""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 from rich.console import Console
 
 from gpubalance.analyzer.service import DiagnosisReport, RecommendationsReport, SourceStatus
-from gpubalance.diagnosis import STATES, Ack, FleetVerdict, Recommendation, Verdict
+from gpubalance.diagnosis import Ack, FleetVerdict, Recommendation, Verdict
 from gpubalance.exporter.top import render_analysis
 
 T = 1_800_000_000.0
-DEMO_FLAGS = ("--duration", "25", "--build-dir")
 UP = SourceStatus("exporter at http://127.0.0.1:9450", True, None, T, T)
 
 
@@ -98,36 +93,3 @@ def test_the_panel_says_when_the_source_is_down_or_nothing_recommends() -> None:
     assert "unknown" in row0 and why in row0
     assert "analyzer: source down: cannot reach the exporter: refused" in text
     assert "recommendations: none (the analyzer runs without a recommender)" in text
-
-
-@pytest.mark.live
-def test_make_demo_shows_each_gpus_verdict_live_in_a_pipe_and_ends(
-    fakenvml_dir: Path, tmp_path: Path
-) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gpubalance", "lab", "demo", *DEMO_FLAGS, str(fakenvml_dir)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
-    kept = re.search(r"remove them with: rm -r (\S+)", result.stdout)
-    try:
-        assert result.returncode == 0, result.stderr
-        assert re.search(r"analyzer: http://127\.0\.0\.1:\d+/api/v1/diagnosis", result.stdout)
-        panels = result.stdout.split("analyzer · ")[1:]
-        assert panels, result.stdout
-        rows = re.findall(r"│ (\d)\s+│ (\w+)\s+│ (\w+|-)\s+│ (\d\.\d\d) │", panels[-1])
-        assert [gpu for gpu, *_ in rows] == ["0", "1", "2", "3"], panels[-1]
-        assert all(state in STATES for _, state, _, _ in rows)
-        # the card the weighted round robin sends everything to
-        assert rows[0][1:3] == ("overloaded", "routing_skew"), panels[-1]
-        # the demo's analyzer recommends (what it says depends on how far the run got)
-        assert "without a recommender" not in panels[-1]
-        assert re.search(r"^recommend \w+ |^recommendations: none now", panels[-1], re.M), panels[
-            -1
-        ]
-        assert kept and (Path(kept.group(1)) / "analyzer.log").is_file()
-    finally:
-        if kept:
-            shutil.rmtree(kept.group(1), ignore_errors=True)

@@ -1,17 +1,82 @@
-"""`make demo` in a pipe: 4 GPUs (3x RTX 4090 + RTX 3090) with values that move."""
+"""`make demo` in a pipe: 4 GPUs (3x RTX 4090 + RTX 3090) with values that move, the analyzer's
+verdicts, and `gpubalance run --act` fixing the skewed server through the lab's real HAProxy.
+
+One live run serves every assertion: the demo is among the suite's slowest tests.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from gpubalance.diagnosis import STATES
+from gpubalance.lab.demo import Latencies, LoopPanel, p99_between
+
+SUMMARY = re.compile(
+    r"^before/after \((\d+) change\(s\) by the controller\): (\d+\.\d\d) s -> (\d+\.\d\d) s p99,"
+    r" (\d+)% -> (\d+)% idle while queued$",
+    re.M,
+)
+
+
+INF = float("inf")
+BOUNDS = (0.5, 1.0, 2.5, INF)
+ZERO = Latencies(0.0, BOUNDS, ((0, 0, 0, 0), (0, 0, 0, 0)))
+
+
+def test_p99_is_interpolated_in_its_bucket_as_histogram_quantile_does() -> None:
+    # worker 0: 50 requests under 0.5 s, 40 more under 1 s, 10 more under 2.5 s
+    last = Latencies(10.0, BOUNDS, ((50, 90, 100, 100), (0, 0, 0, 0)))
+    # the 99th of 100 lies 9/10 of the way through the (1, 2.5] bucket
+    assert p99_between(ZERO, last) == (pytest.approx(1.0 + 1.5 * 0.9), 100)
+    assert p99_between(ZERO, last, worker=1) == (None, 0)
+    # beyond the largest bound only that bound is known, as histogram_quantile says
+    slow = Latencies(10.0, BOUNDS, ((0, 0, 0, 0), (0, 0, 90, 100)))
+    assert p99_between(ZERO, slow) == (2.5, 100)
+    # only what was completed between the two readings counts
+    assert p99_between(last, last) == (None, 0)
+
+
+def test_the_panel_splits_the_run_at_the_controllers_first_and_last_change(tmp_path) -> None:
+    panel = LoopPanel([], tmp_path / "audit.jsonl")
+    # 10 requests a second: under 0.5 s before the changes at t=20 and t=22, under 1 s after
+    for t in range(41):
+        fast, slow = min(t, 20) * 10, max(0, t - 20) * 10
+        total = fast + slow
+        counts = ((fast, total, total, total), (0, 0, 0, 0))
+        panel.readings.append(Latencies(float(t), BOUNDS, counts))
+    panel.entries = [
+        {"decision": "waiting", "at_seconds": 19.0},
+        {"decision": "applied", "at_seconds": 20.0},
+        {"decision": "applied", "at_seconds": 22.0},
+    ]
+    # the analyzer's windows: (start, end, idle-while-queued)
+    panel.windows = [(0.0, 10.0, 0.6), (10.0, 20.0, 0.4), (20.0, 30.0, 0.2), (30.0, 40.0, 0.0)]
+    before, after = panel.before(), panel.after()
+    assert before is not None and after is not None
+    assert (before.start_seconds, before.end_seconds, before.requests) == (0.0, 20.0, 200)
+    assert before.p99_seconds == pytest.approx(0.495)
+    assert before.idle_while_queued_ratio == pytest.approx(0.5)
+    # the latest 10 s, all after the last change; the windows that began after it
+    assert (after.start_seconds, after.end_seconds, after.requests) == (30.0, 40.0, 100)
+    assert after.p99_seconds == pytest.approx(0.995)
+    assert after.idle_while_queued_ratio == 0.0
+    assert panel.summary() == (
+        "before/after (2 change(s) by the controller): 0.49 s -> 0.99 s p99, "
+        "50% -> 0% idle while queued"
+    )
+
 
 @pytest.mark.live
-def test_demo_shows_four_gpus_with_moving_values(fakenvml_dir, tmp_path) -> None:
+def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
+    fakenvml_dir: Path, tmp_path: Path
+) -> None:
     result = subprocess.run(
         [
             sys.executable,
@@ -20,30 +85,69 @@ def test_demo_shows_four_gpus_with_moving_values(fakenvml_dir, tmp_path) -> None
             "lab",
             "demo",
             "--duration",
-            "5",
+            "25",
             "--build-dir",
             str(fakenvml_dir),
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         cwd=tmp_path,
     )
     kept = re.search(r"remove them with: rm -r (\S+)", result.stdout)
-    if kept:
-        shutil.rmtree(kept.group(1), ignore_errors=True)  # the demo keeps what it names
-    assert result.returncode == 0, result.stderr
-    assert kept, "the demo names the run directory it keeps"
-    rows = re.findall(
-        r"│ (\d)\s+│ (RTX \d{4})\s+│[^│]*│[^│]*│[^│]*│[^│]*│ (\d+)/\d+ W", result.stdout
-    )
-    frames = [rows[i : i + 4] for i in range(0, len(rows), 4)]
-    assert len(frames) >= 3, result.stdout
-    assert [(gpu, model) for gpu, model, _ in frames[0]] == [
-        ("0", "RTX 4090"),
-        ("1", "RTX 4090"),
-        ("2", "RTX 4090"),
-        ("3", "RTX 3090"),
-    ]
-    powers = {tuple(power for _, _, power in frame) for frame in frames}
-    assert len(powers) > 1, "values must move between refreshes"
+    try:
+        assert result.returncode == 0, result.stderr
+        assert kept, "the demo names the run directory it keeps"
+        run_dir = Path(kept.group(1))
+        out = result.stdout
+        assert re.search(r"analyzer: http://127\.0\.0\.1:\d+/api/v1/diagnosis", out)
+        assert re.search(r"controller: http://127\.0\.0\.1:\d+/metrics", out)
+
+        # the exporter's table: four GPUs, values that move between refreshes
+        rows = re.findall(r"│ (\d)\s+│ (RTX \d{4})\s+│[^│]*│[^│]*│[^│]*│[^│]*│ (\d+)/\d+ W", out)
+        frames = [rows[i : i + 4] for i in range(0, len(rows), 4)]
+        assert len(frames) >= 3, out
+        assert [(gpu, model) for gpu, model, _ in frames[0]] == [
+            ("0", "RTX 4090"),
+            ("1", "RTX 4090"),
+            ("2", "RTX 4090"),
+            ("3", "RTX 3090"),
+        ]
+        assert len({tuple(power for _, _, power in frame) for frame in frames}) > 1
+
+        # the analyzer's panel: each GPU's verdict; the card the weighted round robin sends
+        # most requests to is overloaded by the routing until the controller re-weights it
+        panels = [p.split("loop · ")[0] for p in out.split("analyzer · ")[1:]]
+        assert panels, out
+        verdicts = [
+            re.findall(r"│ (\d)\s+│ (\w+)\s+│ (\w+|-)\s+│ (\d\.\d\d) │", panel) for panel in panels
+        ]
+        assert all([gpu for gpu, *_ in v] == ["0", "1", "2", "3"] for v in verdicts), panels[-1]
+        assert all(state in STATES for v in verdicts for _, state, _, _ in v)
+        assert any(v[0][1:3] == ("overloaded", "routing_skew") for v in verdicts), panels
+        assert re.search(r"^recommend set_weights ", out, re.M), panels[-1]
+
+        # the loop: the controller's changes as they happen, which its audit log holds
+        audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+        applied = [e for e in audit if e["decision"] == "applied"]
+        assert applied, audit
+        shown = re.findall(
+            r"^  \d\d:\d\d:\d\d set_weight (be_default/w\d) (\d+) -> (\d+) ", out, re.M
+        )
+        logged = [(e["target"], str(e["before"]), str(e["after"])) for e in applied]
+        assert set(shown) <= set(logged) and logged[-1] in shown, (shown, logged)
+        assert all(e["action"] == "set_weight" for e in applied)
+
+        # the one-line summary: the idle-while-queued share the analyzer reads off the
+        # exporter falls once the controller re-weighted the pool
+        (summary,) = SUMMARY.findall(out)
+        changes, _, _, idle_before, idle_after = summary
+        assert int(changes) == len(applied)
+        assert int(idle_after) < int(idle_before), summary
+
+        # `gpubalance run` stopped its three parts cleanly (SIGTERM, as systemd stops it)
+        assert (run_dir / "run.log").read_text().rstrip().endswith("gpubalance run: stopped")
+        assert (run_dir / "haproxy.cfg").is_file()
+    finally:
+        if kept:
+            shutil.rmtree(kept.group(1), ignore_errors=True)  # the demo keeps what it names

@@ -1,5 +1,5 @@
-"""The lab's live workers serve vLLM's and Triton's formats (lab/live/formats.py): the adapters
-read back what a worker holds."""
+"""The lab's live workers serve vLLM's, Triton's and TGI's formats (lab/live/formats.py): the
+adapters read back what a worker holds."""
 
 from __future__ import annotations
 
@@ -78,3 +78,20 @@ def test_triton_format_reads_back() -> None:
         request_duration_seconds_count=5.0,
         allocation_failures_total=2.0,
     )
+
+
+def test_tgi_format_reads_back() -> None:
+    w = worker()
+    assert read("tgi", render_metrics("tgi", w)) == [
+        ServingReading(
+            key="router",
+            queue_depth=5.0,
+            running=3.0,
+            batch_assembly_delay_seconds_sum=w.queue_time.sum,
+            batch_assembly_delay_seconds_count=6.0,
+            batch_size_sum=9.0,  # the batch sizes that idle-while-queued's batch fill needs
+            batch_size_count=4.0,
+            request_duration_seconds_sum=w.latency.sum,
+            request_duration_seconds_count=5.0,
+        )
+    ]

@@ -1,0 +1,135 @@
+"""Causes the telemetry names directly, whatever the learned model makes of them.
+
+Given a GPU's state, some causes are read off the figures that define them: a feeding process
+pinned at its cores or CPU pressure (``host_bound``), IO pressure (``io_bound``), a batcher
+that holds the GPU idle half of each batch cycle (``batch_delay``), allocation failures
+without a deep queue (``memory_pressure``). A joint label learned on some families cannot
+know what another family's servers look like; the physics is the same on all of them, so
+these rules decide where they fire and the model only where none does. They go in the order
+the ground truth decides causes in (lab/scenarios/README.md, "Decision"), and each says for
+which state it holds. One names the state as well: a GPU busy under 60 % of the window while
+its batcher idles it half of each batch cycle is starved by its batching, however full its
+(small) batches look.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpubalance.analyzer.features import FeatureTable
+
+# a feeding process this close to a whole number of busy cores runs at its threads' limit
+PINNED_FEEDER = 0.5
+# PSI "some": the share of the window some task waited for a CPU / for IO
+CPU_PRESSURE = 0.2
+IO_PRESSURE = 0.2
+# the share of a batch cycle the GPU idles while its batch fills (the ground truth's own)
+BATCH_IDLE_SHARE = 0.5
+# a GPU busy less than this while it idles half of each batch cycle waits for its batches:
+# starved, whatever the rest of its figures look like (at most half busy, and a margin for
+# windows that mix cycles)
+BATCH_WAIT_BUSY = 0.6
+# allocation failures per completed request: KV memory refuses work that would fit its batch
+ALLOCATION_FAILURES = 0.01
+# ... with less than this many batches waiting: the KV region, not the load, limits the
+# batch. Any GPU far behind its queue with long-tailed requests fails allocations now and
+# then; there the queue is the story (routing, capacity), not the memory (measured on the
+# generated families: sticky-skew, slow-card and host-preprocess lose a fifth of their causes
+# to memory_pressure without it, the memory families keep theirs with it)
+MEMORY_QUEUE_BATCHES = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """Per row of a feature table, the cause the figures name for each state ('' for none)."""
+
+    starved: np.ndarray  # str, one per row
+    overloaded: np.ndarray
+    # rows whose figures name the state as well: starved/batch_delay, the GPU waiting for
+    # batches that the batcher holds back
+    waiting: np.ndarray  # bool
+
+    def of(self, state: str) -> np.ndarray | None:
+        return {"starved": self.starved, "overloaded": self.overloaded}.get(state)
+
+
+def batch_idle_share(table: FeatureTable) -> np.ndarray:
+    """The share of a batch cycle the GPU idles while requests wait for their batch to fill,
+    from the batcher's mean per-request delay d, the mean batch size n and the GPU seconds
+    per batch. In a batch assembled over a wait w the first request waits w and the others
+    arrive spread over it (w/2 on average), so d = w (n + 1) / 2n: w = 2 n d / (n + 1).
+    NaN where a window ran no batch or reports no delay."""
+    delay = _field(table, "batch_delay_seconds")
+    size = _field(table, "batch_size_mean")
+    completions = _field(table, "completions_per_second")
+    utilization = _field(table, "utilization_mean_ratio")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        busy = np.where(completions > 0, utilization * size / completions, np.nan)
+        wait = 2 * size * delay / (size + 1)
+        cycle = wait + busy
+        return np.where((size >= 1) & (cycle > 0), wait / cycle, np.nan)
+
+
+def named(table: FeatureTable) -> Named:
+    """The cause the figures name, per row, for a starved and for an overloaded GPU."""
+    n = len(table.frames)
+    column = table.column
+    with np.errstate(invalid="ignore"):
+        host = (column("feeder_cpu_pinned") >= PINNED_FEEDER) | (
+            column("host_cpu_pressure_ratio") >= CPU_PRESSURE
+        )
+        io = column("host_io_pressure_ratio") >= IO_PRESSURE
+        share = batch_idle_share(table)
+        batch = share >= BATCH_IDLE_SHARE
+        waiting = batch & (column("utilization_ratio") < BATCH_WAIT_BUSY)
+        memory = (column("allocation_failures_per_completion") > ALLOCATION_FAILURES) & (
+            column("queue_batches") < MEMORY_QUEUE_BATCHES
+        )
+    starved = np.full(n, "", dtype=object)
+    overloaded = np.full(n, "", dtype=object)
+    # the first that holds wins: assign in reverse order of the ground truth's decision list
+    for mask, cause in ((batch, "batch_delay"), (io, "io_bound"), (host, "host_bound")):
+        starved[mask] = cause
+    # slowdown reasons alone do not name throttling: the ground truth asks whether the GPU
+    # would cope at full clock, which the clock does not tell (measured: naming throttling
+    # wherever a reason is active half the window loses more capacity_shortage windows
+    # than it wins)
+    overloaded[memory] = "memory_pressure"
+    return Named(starved, overloaded, waiting & (starved == "batch_delay"))
+
+
+def apply(probabilities: np.ndarray, classes: np.ndarray, table: FeatureTable) -> np.ndarray:
+    """``probabilities`` (rows x joint "state/cause" classes) with each state's probability
+    moved wholly onto the cause its figures name, where they name one the classes know; a
+    row whose figures name the state too has all of its probability there."""
+    out = probabilities.copy()
+    if not len(out):
+        return out
+    names = named(table)
+    labels = [str(c).split("/", 1) for c in classes]
+    if "starved/batch_delay" in classes:
+        rows = np.flatnonzero(names.waiting)
+        total = out[rows].sum(axis=1)
+        out[rows] = 0.0
+        out[rows, list(classes).index("starved/batch_delay")] = total
+    for state in ("starved", "overloaded"):
+        causes = names.of(state)
+        assert causes is not None
+        columns = [j for j, (s, _) in enumerate(labels) if s == state]
+        for cause in set(causes.tolist()) - {""}:
+            target = [j for j in columns if labels[j][1] == cause]
+            if not target:
+                continue  # the model never saw this cause: leave its answer alone
+            rows = np.flatnonzero(causes == cause)
+            total = out[np.ix_(rows, columns)].sum(axis=1)
+            out[np.ix_(rows, columns)] = 0.0
+            out[rows, target[0]] = total
+    return out
+
+
+def _field(table: FeatureTable, name: str) -> np.ndarray:
+    return np.array(
+        [np.nan if (v := getattr(f, name)) is None else v for f in table.frames], dtype=np.float64
+    )
