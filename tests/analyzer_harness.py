@@ -1,8 +1,18 @@
-"""What the analyzer's tests build their frames from: one GPU over one window, healthy."""
+"""What the analyzer's tests build their frames from: one GPU over one window, healthy; every
+generated family as one fleet; and a frozen copy of a step, to hold its faster rewrite to."""
 
 from __future__ import annotations
 
-from gpubalance.analyzer.frames import GpuFrame
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
+from gpubalance.lab import generate, traffic
+from gpubalance.lab.fast import ORIGIN_SECONDS, simulate
+from gpubalance.telemetry import Sample
 
 WINDOW = 30.0
 RTX_4090 = "NVIDIA GeForce RTX 4090"
@@ -53,3 +63,43 @@ def healthy_frame(gpu: int, window: int, **figures: object) -> GpuFrame:
     }
     base.update(figures)
     return GpuFrame(**base)  # type: ignore[arg-type]
+
+
+def frozen(name: str) -> ModuleType:
+    """tests/analyzer/NAME.py, the frozen copy of a step as it was before a rewrite."""
+    path = Path(__file__).parent / "analyzer" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def generated_run(document: dict[str, object], duration_seconds: float) -> list[GpuFrame]:
+    """A generated variant at the fast speed, as the analyzer's frames."""
+    plan = generate.plan_of(document)
+    scenario = plan.scenario
+    requests = traffic.generate(scenario.traffic, duration_seconds, scenario.seed)
+    samples: list[Sample] = []
+    simulate(plan, requests, scenario.seed, duration_seconds, samples.append)
+    return list(
+        frames_from_samples(
+            samples,
+            window_seconds=scenario.truth_window_seconds,
+            interval_seconds=scenario.interval_seconds,
+            origin=ORIGIN_SECONDS,
+        )
+    )
+
+
+def generated_fleet(duration_seconds: float) -> list[GpuFrame]:
+    """Every family's first variant as a host of its own, its GPUs' UUIDs its own."""
+    frames: list[GpuFrame] = []
+    for index, variant in enumerate(generate.variants("all", 1, 0, duration_seconds)):
+        host = f"host-{index:02d}"
+        frames += [
+            dataclasses.replace(f, host=host, uuid=f"{f.uuid}-{host}")
+            for f in generated_run(variant.document, duration_seconds)
+        ]
+    return frames

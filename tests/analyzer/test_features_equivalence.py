@@ -10,21 +10,15 @@ missing, frames dropped and GPUs lost, as real telemetry has them.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from analyzer_harness import frozen, generated_fleet
 
 from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureStream, FeatureTable
-from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
-from gpubalance.lab import generate, traffic
-from gpubalance.lab.fast import ORIGIN_SECONDS, simulate
-from gpubalance.telemetry import Sample
+from gpubalance.analyzer.frames import GpuFrame
 
 # more windows than the features' history (20) and a batch-time fit's points (60 over 8 GPUs)
 DURATION_SECONDS = 720.0
@@ -32,43 +26,10 @@ DURATION_SECONDS = 720.0
 OPTIONAL = tuple(f.name for f in dataclasses.fields(GpuFrame) if "None" in str(f.type))
 
 
-def _reference() -> ModuleType:
-    path = Path(__file__).with_name("features_reference.py")
-    spec = importlib.util.spec_from_file_location("features_reference", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run(document: dict[str, object]) -> list[GpuFrame]:
-    plan = generate.plan_of(document)
-    scenario = plan.scenario
-    requests = traffic.generate(scenario.traffic, DURATION_SECONDS, scenario.seed)
-    samples: list[Sample] = []
-    simulate(plan, requests, scenario.seed, DURATION_SECONDS, samples.append)
-    return list(
-        frames_from_samples(
-            samples,
-            window_seconds=scenario.truth_window_seconds,
-            interval_seconds=scenario.interval_seconds,
-            origin=ORIGIN_SECONDS,
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def fleet() -> list[GpuFrame]:
     """Every family's first variant as a host of its own, its GPUs' UUIDs its own."""
-    frames: list[GpuFrame] = []
-    for index, variant in enumerate(generate.variants("all", 1, 0, DURATION_SECONDS)):
-        host = f"host-{index:02d}"
-        frames += [
-            dataclasses.replace(f, host=host, uuid=f"{f.uuid}-{host}")
-            for f in _run(variant.document)
-        ]
-    return frames
+    return generated_fleet(DURATION_SECONDS)
 
 
 def _damaged(frames: Sequence[GpuFrame], seed: int) -> list[GpuFrame]:
@@ -110,21 +71,26 @@ def _assert_same(new: FeatureTable, old: object) -> None:
 
 def test_a_fleet_of_every_family_gets_the_same_features(fleet: list[GpuFrame]) -> None:
     assert len(fleet) > 2000
-    _assert_same(FeatureBuilder().transform(fleet), _reference().FeatureBuilder().transform(fleet))
+    _assert_same(
+        FeatureBuilder().transform(fleet),
+        frozen("features_reference").FeatureBuilder().transform(fleet),
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_damaged_telemetry_gets_the_same_features(fleet: list[GpuFrame], seed: int) -> None:
     frames = _damaged(fleet, seed)
     _assert_same(
-        FeatureBuilder().transform(frames), _reference().FeatureBuilder().transform(frames)
+        FeatureBuilder().transform(frames),
+        frozen("features_reference").FeatureBuilder().transform(frames),
     )
 
 
 def test_one_host_alone_gets_the_same_features(fleet: list[GpuFrame]) -> None:
     frames = [f for f in fleet if f.host == "host-01"]
     _assert_same(
-        FeatureBuilder().transform(frames), _reference().FeatureBuilder().transform(frames)
+        FeatureBuilder().transform(frames),
+        frozen("features_reference").FeatureBuilder().transform(frames),
     )
 
 

@@ -12,24 +12,18 @@ them), so persistence, hysteresis and the causes' rules meet every case.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import random
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from analyzer_harness import frozen, generated_fleet
 
 from gpubalance.analyzer.baselines import LABELS, QueueUtilization, UtilizationThreshold
 from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
-from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
+from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.verdict import Diagnosis, Verdicts
-from gpubalance.lab import generate, traffic
-from gpubalance.lab.fast import ORIGIN_SECONDS, simulate
-from gpubalance.telemetry import Sample
 
 # windows enough for persistence to hold, change and hold back several times per GPU
 DURATION_SECONDS = 240.0
@@ -39,43 +33,10 @@ FIGURES = tuple(
 )
 
 
-def _reference() -> ModuleType:
-    path = Path(__file__).with_name("verdict_reference.py")
-    spec = importlib.util.spec_from_file_location("verdict_reference", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run(document: dict[str, object]) -> list[GpuFrame]:
-    plan = generate.plan_of(document)
-    scenario = plan.scenario
-    requests = traffic.generate(scenario.traffic, DURATION_SECONDS, scenario.seed)
-    samples: list[Sample] = []
-    simulate(plan, requests, scenario.seed, DURATION_SECONDS, samples.append)
-    return list(
-        frames_from_samples(
-            samples,
-            window_seconds=scenario.truth_window_seconds,
-            interval_seconds=scenario.interval_seconds,
-            origin=ORIGIN_SECONDS,
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def fleet() -> list[GpuFrame]:
     """Every family's first variant as a host of its own, its GPUs' UUIDs its own."""
-    frames: list[GpuFrame] = []
-    for index, variant in enumerate(generate.variants("all", 1, 0, DURATION_SECONDS)):
-        host = f"host-{index:02d}"
-        frames += [
-            dataclasses.replace(f, host=host, uuid=f"{f.uuid}-{host}")
-            for f in _run(variant.document)
-        ]
-    return frames
+    return generated_fleet(DURATION_SECONDS)
 
 
 def _damaged(frames: Sequence[GpuFrame], seed: int) -> list[GpuFrame]:
@@ -150,7 +111,7 @@ def _judge_both(frames: list[GpuFrame], classifier: object, **options: object) -
     table = FeatureBuilder().transform(frames)
     fitted = classifier.fit(table)  # type: ignore[attr-defined]
     new = Verdicts(fitted, **options).diagnose(table)  # type: ignore[arg-type]
-    _assert_same(new, _reference().Verdicts(fitted, **options).diagnose(table))
+    _assert_same(new, frozen("verdict_reference").Verdicts(fitted, **options).diagnose(table))
     return new
 
 
