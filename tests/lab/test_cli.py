@@ -126,7 +126,7 @@ def test_demo_keeps_the_run_directory_it_names_and_says_how_to_remove_it(
     run_dir = Path(named.group(1))
     try:
         assert run_dir.is_dir()
-        assert (run_dir / "exporter.log").exists()
+        assert (run_dir / "run.log").exists()  # the log of `gpubalance run`, the demo's stack
         assert f"remove them with: rm -r {run_dir}" in result.stdout.splitlines()[-1]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
