@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,18 +363,23 @@ class LoopPanel:
             lines.append(Text("after its last change: waiting for the workers' next reading"))
         applied = self.applied
         lines.append(Text(f"controller: {len(applied)} change(s) applied"))
-        for entry in applied[-8:]:
-            at = time.strftime("%H:%M:%S", time.localtime(entry["at_seconds"]))
-            lines.append(
-                Text(
-                    f"  {at} {entry['action']} {entry['target']} {entry['before']} -> "
-                    f"{entry['after']} ({entry['recommendation']})"
-                )
-            )
+        lines.extend(Text(change_line(entry)) for entry in applied[-8:])
         if not applied and self.entries:
             last = self.entries[-1]
             lines.append(Text(f"  last decision: {last['decision']}: {last.get('reason', '')}"))
         return Group(*lines)
+
+    def changes(self) -> str:
+        """Every change the controller applied over the run, as the audit log holds it (the
+        panel shows the latest few; one may land after its last refresh)."""
+        self.poll()
+        applied = self.applied
+        if not applied:
+            return "controller: no change applied"
+        return "\n".join(
+            [f"controller: {len(applied)} change(s) applied ({self.audit_path})"]
+            + [change_line(entry) for entry in applied]
+        )
 
     def summary(self) -> str:
         before, after = self.before(), self.after()
@@ -387,6 +393,15 @@ class LoopPanel:
             f"{_change(before.idle_while_queued_ratio, after.idle_while_queued_ratio, '', '.0%')}"
             " idle while queued"
         )
+
+
+def change_line(entry: Mapping[str, Any]) -> str:
+    """One applied change of the audit log, as the loop panel lists it."""
+    at = time.strftime("%H:%M:%S", time.localtime(entry["at_seconds"]))
+    return (
+        f"  {at} {entry['action']} {entry['target']} {entry['before']} -> {entry['after']}"
+        f" ({entry['recommendation']})"
+    )
 
 
 def _change(before: float | None, after: float | None, unit: str, form: str) -> str:
@@ -460,6 +475,7 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
         if stopped != 0:
             print(f"gpubalance run exited with {stopped}; its log: {lab.run_dir / 'run.log'}")
             code = code or 1
+        print(panel.changes())
         print(panel.summary())
         return code
     finally:

@@ -144,12 +144,16 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             ), panels
             assert re.search(r"^recommend set_weights ", out, re.M), panels[-1]
 
-            # the loop: the controller's changes as they happen, which its audit log holds
-            shown = re.findall(
-                r"^  \d\d:\d\d:\d\d set_weight (be_default/w\d) (\d+) -> (\d+) ", out, re.M
+            # the loop: the controller's changes as they happen, and all of them once it stops
+            # (one may land after the panel's last refresh), as its audit log holds them
+            change = re.compile(
+                r"^  \d\d:\d\d:\d\d set_weight (be_default/w\d) (\d+) -> (\d+) ", re.M
             )
+            shown = change.findall(out)
             logged = [(e["target"], str(e["before"]), str(e["after"])) for e in applied]
-            assert set(shown) <= set(logged) and logged[-1] in shown, (shown, logged)
+            assert set(shown) == set(logged), (shown, logged)
+            listing = out.split(f"controller: {len(applied)} change(s) applied (")[-1]
+            assert change.findall(listing) == logged, listing
             assert all(e["action"] == "set_weight" for e in applied)
 
             # the one-line summary: the idle-while-queued share the analyzer reads off the
