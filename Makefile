@@ -11,11 +11,12 @@ FUZZ_INPUTS ?= 100000
 N ?= 5
 # pytest-xdist workers of `make test` (the CI machine has 2 cores)
 TEST_JOBS ?= 2
-# `make eval`: variants per scenario family; GENTD: the Alibaba GenTD26 folder, to check on it too
-EVAL_COUNT ?= 3
+# `make eval` and `make model`: variants per scenario family
+# GENTD: the Alibaba GenTD26 folder, for `make eval` to check on it too
+EVAL_COUNT ?= 8
 GENTD ?=
 
-.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak eval clean
+.PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak eval model clean
 
 all: test
 
@@ -73,6 +74,10 @@ bench: venv system-deps fakenvml
 soak: venv system-deps fakenvml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/soak.py --minutes 30
+
+# the model gpubalance ships (the analyzer's default classifier), with its report beside it
+model: venv
+	$(PY) -m gpubalance analyzer train --count $(EVAL_COUNT) --seed 1 --out analyzer/models/default.skops
 
 # held-out verdict scores beside the baselines -> analyzer/EVALUATION.md and its plots
 eval: venv

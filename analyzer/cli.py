@@ -70,11 +70,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--classifier",
         nargs="+",
-        default=["baseline-queue"],
+        default=["model"],
         metavar=("NAME", "FILE"),
-        help="baseline-queue (the default until the learned model ships: queue + utilization "
-        "rule), baseline-threshold (utilization < 30 %% starved, > 90 %% overloaded, what a "
-        "DCGM alert says), or `model FILE` (a trained model)",
+        help="model (the default: the model gpubalance ships, trained on the lab's generated "
+        "families), `model FILE` (one `gpubalance analyzer train` wrote), baseline-queue "
+        "(queue + utilization rule) or baseline-threshold (utilization < 30 %% starved, "
+        "> 90 %% overloaded, what a DCGM alert says)",
     )
     parser.add_argument(
         "--fleet",
@@ -126,21 +127,22 @@ def _classifier(spec: Sequence[str]) -> Classifier:
             raise DiagnoseError(f"--classifier {name} takes no file, got {' '.join(files)}")
         return CLASSIFIERS[name]()
     if name == "model":
-        if len(files) != 1:
-            raise DiagnoseError("--classifier model takes one FILE: the trained model")
-        return _load_model(Path(files[0]))
-    known = ", ".join([*CLASSIFIERS, "model FILE"])
+        if len(files) > 1:
+            raise DiagnoseError("--classifier model takes one FILE (a trained model) or none")
+        return _load_model(Path(files[0]) if files else None)
+    known = ", ".join(["model [FILE]", *CLASSIFIERS])
     raise DiagnoseError(f"--classifier {name}: unknown; one of {known}")
 
 
-def _load_model(path: Path) -> Classifier:
-    """The learned model, as `gpubalance analyzer train` wrote it (skops)."""
+def _load_model(path: Path | None) -> Classifier:
+    """The learned model, as `gpubalance analyzer train` wrote it (skops); None: the one
+    gpubalance ships."""
     from gpubalance.analyzer import model
 
-    if not path.is_file():
+    if path is not None and not path.is_file():
         raise DiagnoseError(f"--classifier model {path}: no such file")
     try:
-        return model.load(path)
+        return model.load(path) if path is not None else model.load_shipped()
     except model.ModelError as exc:
         raise DiagnoseError(f"--classifier model {exc}") from None
 

@@ -17,6 +17,7 @@ numpy, and any file written for other feature columns or another format version.
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ from gpubalance.analyzer import causes
 from gpubalance.analyzer.features import COLUMNS, FeatureTable
 
 FORMAT = "gpubalance.analyzer.model/v2"
+# the model gpubalance ships, trained on the lab's generated families by `make model`; the
+# analyzer's default classifier (its report, beside it, says on what and how well)
+SHIPPED = Path(__file__).parent / "models" / "default.skops"
 
 
 class ModelError(Exception):
@@ -39,10 +43,10 @@ class GpuStateClassifier:
 
     def __init__(
         self,
-        max_iter: int = 300,
-        learning_rate: float = 0.08,
-        max_leaf_nodes: int = 31,
-        min_samples_leaf: int = 20,
+        max_iter: int = 150,
+        learning_rate: float = 0.05,
+        max_leaf_nodes: int = 15,
+        min_samples_leaf: int = 50,
         l2_regularization: float = 1.0,
         class_weight: str | None = "balanced",
         random_state: int = 0,
@@ -185,10 +189,19 @@ def save(path: Path, classifier: GpuStateClassifier, report: dict[str, Any]) -> 
             "causes": classifier.cause_estimators_,
         },
         path,
+        compression=zipfile.ZIP_DEFLATED,
+        compresslevel=9,
     )
     path.with_suffix(".report.json").write_text(
         json.dumps({**header, **report}, indent=2, sort_keys=True) + "\n"
     )
+
+
+def load_shipped() -> GpuStateClassifier:
+    """The model gpubalance ships (:data:`SHIPPED`)."""
+    if not SHIPPED.is_file():
+        raise ModelError(f"{SHIPPED}: the shipped model is missing; `make model` trains it")
+    return load(SHIPPED)
 
 
 def load(path: Path) -> GpuStateClassifier:

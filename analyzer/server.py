@@ -527,11 +527,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "format the exporter reads; reloaded on SIGHUP",
     )
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--model", metavar="FILE", help="a trained model (skops file)")
     which.add_argument(
-        "--classifier",
-        choices=sorted(CLASSIFIERS),
-        help="a rule instead of a model (default baseline-queue until the model ships)",
+        "--model",
+        metavar="FILE",
+        help="a model `gpubalance analyzer train` wrote (skops file); default: the model "
+        "gpubalance ships",
+    )
+    which.add_argument(
+        "--classifier", choices=sorted(CLASSIFIERS), help="a rule instead of a model"
     )
     parser.add_argument(
         "--window",
@@ -553,14 +556,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _classifier(args: argparse.Namespace) -> tuple[Classifier, str]:
+    from gpubalance.analyzer import model
     from gpubalance.analyzer.baselines import CLASSIFIERS
     from gpubalance.config import ConfigError
 
+    if args.classifier is not None:
+        return CLASSIFIERS[args.classifier](), args.classifier
     if args.model is None:
-        name = args.classifier or "baseline-queue"
-        return CLASSIFIERS[name](), name
-    from gpubalance.analyzer import model
-
+        try:
+            return model.load_shipped(), "model (shipped)"
+        except model.ModelError as exc:
+            raise ConfigError(str(exc)) from None
     path = Path(args.model)
     if not path.is_file():
         raise ConfigError(f"--model {path}: no such file")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpubalance.arguments import positive_int, seconds, seed
 
-DEFAULT_COUNT = 3
+DEFAULT_COUNT = 8
 DEFAULT_REPORT = Path("analyzer") / "EVALUATION.md"
 
 

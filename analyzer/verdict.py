@@ -684,6 +684,9 @@ class Verdicts:
         labels = [split_label(str(label)) for label in self.classifier.classes_]
         matrix = np.asarray(self.classifier.predict_proba(table), dtype=np.float64)
         states = _state_probabilities(matrix, labels)
+        # no utilization reading: NVML said nothing of the GPU's work, and no classifier judges
+        # it by its serving figures alone (the rules say unknown; a model would guess)
+        states[np.isnan(table.column("utilization_ratio")), STATES_SUMMED.index("unknown")] = 1.0
         n = len(frames)
         best = np.argmax(states[:, : len(JUDGED)], axis=1)  # of equal ones the first
         unjudgeable = states[:, STATES_SUMMED.index("unknown")] >= states[np.arange(n), best]

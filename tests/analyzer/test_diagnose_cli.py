@@ -47,6 +47,11 @@ class Result:
     stderr: str
 
 
+# the queue + utilization rule: what these tests' expectations of the skewed run were
+# written for (the shipped model's own are in test_shipped_model.py and EVALUATION.md)
+RULE = ("--classifier", "baseline-queue")
+
+
 @pytest.fixture
 def diagnose(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
     """diagnose(*args): `gpubalance diagnose ARGS` run in this process, its exit code and output."""
@@ -112,7 +117,7 @@ def test_json_has_one_row_per_gpu_and_window(
     source: str, request: pytest.FixtureRequest, diagnose: Callable[..., Result]
 ) -> None:
     directory: Path = request.getfixturevalue(source)
-    rows = _rows(diagnose("--from", str(directory), "--format", "json"))
+    rows = _rows(diagnose("--from", str(directory), "--format", "json", *RULE))
     _check_rows(rows)
     assert len(rows) == 5 * 4  # 150 s in windows of 30 s, 4 GPUs
     assert {(r["gpu"], r["state"]) for r in rows if r["t_start"] == rows[-1]["t_start"]} == {
@@ -126,8 +131,10 @@ def test_json_has_one_row_per_gpu_and_window(
 def test_the_csv_tells_the_same_story_as_the_snapshots(
     run_dir: Path, csv_dir: Path, diagnose: Callable[..., Result]
 ) -> None:
-    snapshots = _rows(diagnose("--from", str(run_dir), "--format", "json"))
-    table = _rows(diagnose("--from", str(csv_dir), "--format", "json"))
+    # the rule reads figures both recordings hold; the CSV lacks some the model reads (clocks
+    # against the card's maximum, request durations, host pressure, KV cache use)
+    snapshots = _rows(diagnose("--from", str(run_dir), "--format", "json", *RULE))
+    table = _rows(diagnose("--from", str(csv_dir), "--format", "json", *RULE))
     origin = snapshots[0]["t_start"]
     assert [(r["t_start"] - origin, r["gpu"]) for r in snapshots] == [  # type: ignore[operator]
         (r["t_start"], r["gpu"]) for r in table
@@ -188,7 +195,7 @@ def test_the_alert_baseline_is_one_option_away(
 
 def test_the_table_reads_plainly_in_a_pipe(run_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "COLUMNS")}
-    result = _in_a_pipe("--from", str(run_dir), env=env)
+    result = _in_a_pipe("--from", str(run_dir), *RULE, env=env)
     assert result.returncode == 0, result.stderr
     assert not ANSI.search(result.stdout + result.stderr)
     lines = result.stdout.splitlines()
@@ -197,6 +204,19 @@ def test_the_table_reads_plainly_in_a_pipe(run_dir: Path) -> None:
     assert "OOOOO" in gpu0  # its timeline, one mark per window
     assert any("imbalance; idle while queued" in line for line in lines)
     assert "classifier: baseline-queue" in result.stdout
+
+
+def test_the_default_is_the_shipped_model(run_dir: Path, diagnose: Callable[..., Result]) -> None:
+    result = diagnose("--from", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "classifier: model;" in result.stdout
+    # the router's favourite's peers are starved by the routing, as the run's truth has them
+    last = _rows(diagnose("--from", str(run_dir), "--format", "json"))[-4:]
+    assert [(r["gpu"], r["state"], r["cause"]) for r in last[1:]] == [
+        (1, "starved", "routing_skew"),
+        (2, "starved", "routing_skew"),
+        (3, "starved", "routing_skew"),
+    ]
 
 
 def test_the_table_prints_names_as_they_are(
@@ -270,9 +290,9 @@ def test_bad_options_exit_2_with_the_reason(
     run_dir: Path, tmp_path: Path, diagnose: Callable[..., Result]
 ) -> None:
     cases = {
-        ("--classifier", "magic"): "--classifier magic: unknown; one of baseline-threshold",
+        ("--classifier", "magic"): "--classifier magic: unknown; one of model [FILE], baseline-",
         ("--classifier", "baseline-queue", "x"): "--classifier baseline-queue takes no file",
-        ("--classifier", "model"): "--classifier model takes one FILE",
+        ("--classifier", "model", "a", "b"): "--classifier model takes one FILE",
         ("--classifier", "model", str(tmp_path / "m.skops")): "m.skops: no such file",
         ("--fleet",): "--fleet goes with --format json",
         ("--window", "0.5"): "--window 0.5: need 0 < interval_seconds <= window_seconds",
@@ -284,13 +304,13 @@ def test_bad_options_exit_2_with_the_reason(
         assert message in result.stderr, (args, result.stderr)
 
 
-def test_help_says_the_queue_rule_is_the_default(
+def test_help_says_the_shipped_model_is_the_default(
     diagnose: Callable[..., Result], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help at the terminal's width
     result = diagnose("--help")
     assert result.returncode == 0
-    assert "baseline-queue (the default until the learned model ships" in result.stdout
+    assert "model (the default: the model gpubalance ships" in result.stdout
 
 
 def _exporter(env: dict[str, str], tmp_path: Path) -> RunningExporter:

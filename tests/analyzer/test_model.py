@@ -101,7 +101,9 @@ def test_diagnose_judges_with_a_trained_model(
     from gpubalance.cli import main
     from gpubalance.lab import run as lab_run
 
-    fitted = GpuStateClassifier(max_iter=20).fit(dataset.table, dataset.labels)
+    # a small model that learns fast enough from this little data to see the skew
+    quick = {"max_iter": 20, "learning_rate": 0.08, "max_leaf_nodes": 31, "min_samples_leaf": 20}
+    fitted = GpuStateClassifier(**quick).fit(dataset.table, dataset.labels)
     path = tmp_path / "model.skops"
     model.save(path, fitted, {})
     out = tmp_path / "run"

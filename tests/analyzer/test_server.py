@@ -168,11 +168,11 @@ def test_a_lab_run_is_judged_as_gpubalance_diagnose_judges_it(
     keys = ("host", "gpu", "uuid", "t_start", "t_end", "state", "cause", "confidence")
     now = [{k: r[k] for k in keys} for r in rows if r["t_start"] == last]
     assert [{k: v[k] for k in keys} for v in report["gpus"]] == now
-    assert [(v["gpu"], v["state"]) for v in report["gpus"]] == [
-        (0, "overloaded"),
-        (1, "starved"),
-        (2, "starved"),
-        (3, "starved"),
+    # the shipped model, as the command's default: the favourite's peers starved by the routing
+    assert [(v["gpu"], v["state"], v["cause"]) for v in report["gpus"]][1:] == [
+        (1, "starved", "routing_skew"),
+        (2, "starved", "routing_skew"),
+        (3, "starved", "routing_skew"),
     ]
     assert all(v["evidence"] for v in report["gpus"])
     # two windows before now for each GPU, oldest first, as the command has them
@@ -182,7 +182,7 @@ def test_a_lab_run_is_judged_as_gpubalance_diagnose_judges_it(
     assert [f["kind"] for f in report["fleet"]] == ["imbalance"]
     assert len(report["fleet_history"]) == 2
     assert report["source"]["up"] is True and report["source"]["error"] is None
-    assert report["classifier"] == "baseline-queue" and report["window_seconds"] == 30
+    assert report["classifier"] == "model (shipped)" and report["window_seconds"] == 30
     assert analyzer.request("/api/v1/diagnosis?history=-1").status == 400
     # the service's recommender is the one `gpubalance diagnose --recommend` prints
     capsys.readouterr()

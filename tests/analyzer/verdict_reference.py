@@ -529,6 +529,8 @@ class Verdicts:
             ]
             return verdict("starved", "worker_crash", 1.0, sentences, None)
         states = dict(zip(STATES_SUMMED, state_probabilities, strict=True))
+        if math.isnan(evidence.context.row(row)["utilization_ratio"]):
+            states["unknown"] = 1.0  # no classifier judges a GPU without its utilization
         best = max(JUDGED, key=states.__getitem__)
         if states["unknown"] >= states[best]:
             track.reset()

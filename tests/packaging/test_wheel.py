@@ -45,6 +45,7 @@ def test_wheel_has_one_import_root(wheel: Path) -> None:
         assert not any(n.startswith(f"{generic}/") for n in names)
     assert "gpubalance/exporter/nvml.py" in names
     assert "gpubalance/lab/fakenvml/fakenvml.c" in names  # built at run time by gcc
+    assert "gpubalance/analyzer/models/default.skops" in names  # the analyzer's default
 
 
 def test_every_source_package_is_shipped(wheel: Path) -> None:
@@ -96,3 +97,18 @@ def test_fresh_venv_install(wheel: Path, tmp_path: Path) -> None:
     )
     assert helped.returncode == 0, helped.stderr
     assert "--nvml-library" in helped.stdout
+    # the installed package loads the model it ships
+    loaded = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "from gpubalance.analyzer import model\n"
+            "print(model.load_shipped().classes_[0], model.SHIPPED)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split()[-1].startswith(str(venv)), loaded.stdout
