@@ -2,9 +2,11 @@
 
 Per GPU and window, in time order: rules first where physics is plain (a GPU with no fresh
 readings is ``unknown`` with the reason, never idle), then the classifier, then persistence
-(a state changes only after ``persistence_windows`` windows in a row agree) with hysteresis
-on confidence (the new state's probability must reach ``enter_confidence`` and the held one's
-fall below ``leave_confidence``), and evidence in words a person can check on a dashboard.
+(a state changes only after ``persistence_windows`` windows in a row name it, whatever cause
+each gives, and takes the latest one's; a held state's cause, after as many name the same new
+one) with hysteresis on confidence (the new state's probability must reach
+``enter_confidence`` and the held one's fall below ``leave_confidence``), and evidence in words
+a person can check on a dashboard.
 
 A fleet's table has 10^5 rows: the rules, the causes, the peers' medians, persistence and
 hysteresis run on numpy arrays (persistence a window at a time over every GPU at once), and only
@@ -378,7 +380,12 @@ def _persist(
         )
         leans = change & ~supports
         counting = change & supports
-        counted = np.where(counting, np.where(pending == candidate, counted + 1, 1), counted)
+        # a change of state counts its windows whatever cause each gives, and takes the latest
+        pending_state = np.maximum(pending, 0) // len(CAUSES)
+        continues = (pending == candidate) | (
+            (pending != _NO_PAIR) & (new_state != held_state) & (pending_state == new_state)
+        )
+        counted = np.where(counting, np.where(continues, counted + 1, 1), counted)
         pending = np.where(counting, candidate, pending)
         done = counting & (counted >= persistence)
         notes[:, w] = np.where(leans, _LEANS, np.where(counting & ~done, _PENDING, _NO_NOTE))

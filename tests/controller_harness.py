@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 import signal
 import socket
 import sys
@@ -200,6 +201,15 @@ def weights(api: RuntimeApi, backend: str = "be") -> dict[str, tuple[int, str]]:
 SERVE_WORKER = str(Path(__file__).parent / "controller" / "serve_worker.py")
 
 
+def lane_ports() -> tuple[int, int]:
+    """The worker ports of this pytest-xdist worker's tests: a supervisor takes the first port
+    of its range that nothing holds, so two tests started side by side on one range can both
+    take it before either worker binds it (seen: a worker exiting at start-up)."""
+    lane = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 20000 + 200 * (lane % 5)
+    return first, first + 199
+
+
 def workers_config(
     state_dir: Path,
     *,
@@ -215,7 +225,11 @@ def workers_config(
     command += ["--locks", str(state_dir / "locks"), "--load-seconds", str(load_seconds)]
     if fail_on is not None:
         command += ["--fail-on", fail_on]  # GPU:POOL, whose worker exits as it loads
-    settings: dict[str, Any] = {"ready_timeout_seconds": 60.0, "stop_timeout_seconds": 10.0}
+    settings: dict[str, Any] = {
+        "ready_timeout_seconds": 60.0,
+        "stop_timeout_seconds": 10.0,
+        "ports": lane_ports(),
+    }
     return WorkersConfig(
         command=tuple(command),
         gpus=gpus,

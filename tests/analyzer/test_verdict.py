@@ -67,6 +67,44 @@ def test_a_sustained_change_flips_after_k_windows() -> None:
     assert _states(one)[:3] == ["overloaded", "overloaded", "balanced"]
 
 
+class _Answers:
+    """A classifier that answers a given label per row, each with probability 0.9."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.labels = labels
+        self.classes_ = np.array(sorted(set(labels)))
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        out = np.full((len(table.frames), len(self.classes_)), 0.1 / (len(self.classes_) - 1))
+        for row, label in enumerate(self.labels):
+            out[row, self.classes_.tolist().index(label)] = 0.9
+        return out
+
+
+def test_a_change_of_state_counts_its_windows_whatever_cause_each_gives() -> None:
+    busy = {"utilization_mean_ratio": 1.0, "queue_depth_mean": 20.0}
+    table = FeatureBuilder().transform([_frame(0, 0)] + [_frame(0, w, **busy) for w in (1, 2, 3)])
+    says = [
+        "balanced/none",
+        "overloaded/capacity_shortage",
+        "overloaded/routing_skew",
+        "overloaded/routing_skew",
+    ]
+    verdicts = Verdicts(_Answers(says)).diagnose(table).verdicts
+    # two windows in a row say overloaded: it is, with the latest window's cause
+    assert [(v.state, v.cause) for v in verdicts] == [
+        ("balanced", "none"),
+        ("balanced", "none"),
+        ("overloaded", "routing_skew"),
+        ("overloaded", "routing_skew"),
+    ]
+    # a held state's cause changes only when two windows in a row name the same new one
+    flips = ["overloaded/routing_skew", "overloaded/capacity_shortage"] * 2
+    table = FeatureBuilder().transform([_frame(0, w, **busy) for w in range(4)])
+    held = Verdicts(_Answers(flips)).diagnose(table).verdicts
+    assert {(v.state, v.cause) for v in held} == {("overloaded", "routing_skew")}
+
+
 def test_the_first_window_takes_the_classifier_answer() -> None:
     assert _states(_by_utilization([0.6, 0.97, 0.97, 0.97]).verdicts) == [
         "balanced",

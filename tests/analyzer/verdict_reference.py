@@ -596,8 +596,11 @@ class Verdicts:
                 f"{self.enter_confidence:.2f} to enter it while {held_state} holds "
                 f"({states[held_state]:.2f}, leaves below {self.leave_confidence:.2f})"
             )
-        if track.pending == candidate:
-            track.pending_windows += 1
+        # a change of state counts its windows whatever cause each gives, and takes the latest
+        if track.pending == candidate or (
+            track.pending is not None and new_state != held_state and track.pending[0] == new_state
+        ):
+            track.pending, track.pending_windows = candidate, track.pending_windows + 1
         else:
             track.pending, track.pending_windows = candidate, 1
         if track.pending_windows >= self.persistence_windows:
