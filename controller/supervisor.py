@@ -152,6 +152,7 @@ class Supervisor:
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
         self._children: list[subprocess.Popen[bytes]] = []  # started here, reaped as they exit
+        self._ports: dict[int, int] = {}  # child PID -> the port it was given
 
     def _marked(self) -> dict[int, dict[str, str]]:
         """PID -> environment of each live process this supervisor started (and their
@@ -233,11 +234,17 @@ class Supervisor:
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
         self._children.append(process)
+        self._ports[process.pid] = port
         return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
 
     def _free_port(self) -> int:
         """The first port of `ports` that no worker of ours has and nothing else holds."""
         taken = {w.port for w in self.processes()}
+        # and the ports of workers started here that /proc may not show as ours yet: a worker
+        # binds its port only once loaded, so another start must not be given it meanwhile
+        live = {child.pid for child in self._children}
+        self._ports = {pid: port for pid, port in self._ports.items() if pid in live}
+        taken |= set(self._ports.values())
         first, last = self.config.ports
         for port in range(first, last + 1):
             if port not in taken and _bindable(self.config.host, port):
