@@ -57,7 +57,7 @@ async def serve(args: argparse.Namespace) -> int:
         engines=[FileLock(locks / f"gpu{g}") for g in range(gpu + 1)],
     )
     # one line per start: the tests count the starts a move made
-    print(f"pid {os.getpid()} loads {args.pool} on GPU {gpu}", flush=True)
+    print(f"pid {os.getpid()} loads {args.pool} on GPU {gpu}, port {args.port}", flush=True)
     worker = Worker(_config(args, gpu), shared)
     worker.up, worker.down_reason = False, "loading the model"
     runner = web.AppRunner(worker.app(), access_log=None)
