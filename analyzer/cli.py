@@ -139,8 +139,6 @@ def _load_model(path: Path | None) -> Classifier:
     gpubalance ships."""
     from gpubalance.analyzer import model
 
-    if path is not None and not path.is_file():
-        raise DiagnoseError(f"--classifier model {path}: no such file")
     try:
         return model.load(path) if path is not None else model.load_shipped()
     except model.ModelError as exc:

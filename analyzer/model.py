@@ -208,6 +208,8 @@ def load(path: Path) -> GpuStateClassifier:
     """Read a model written by :func:`save`; refuse anything else, executing nothing."""
     import skops.io as sio
 
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file")
     try:
         untrusted = sio.get_untrusted_types(file=path)
     except Exception as exc:  # skops raises many kinds for a foreign file

@@ -568,8 +568,6 @@ def _classifier(args: argparse.Namespace) -> tuple[Classifier, str]:
         except model.ModelError as exc:
             raise ConfigError(str(exc)) from None
     path = Path(args.model)
-    if not path.is_file():
-        raise ConfigError(f"--model {path}: no such file")
     try:
         return model.load(path), f"model {path}"
     except model.ModelError as exc:

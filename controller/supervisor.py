@@ -151,8 +151,11 @@ def _parent(pid: int) -> int:
 class Supervisor:
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
-        self._children: list[subprocess.Popen[bytes]] = []  # started here, reaped as they exit
-        self._ports: dict[int, int] = {}  # child PID -> the port it was given
+        # started here, reaped as they exit -> the port each was given
+        self._children: dict[subprocess.Popen[bytes], int] = {}
+
+    def _reap(self) -> None:
+        self._children = {c: port for c, port in self._children.items() if c.poll() is None}
 
     def _marked(self) -> dict[int, dict[str, str]]:
         """PID -> environment of each live process this supervisor started (and their
@@ -167,7 +170,7 @@ class Supervisor:
 
     def processes(self) -> list[WorkerProcess]:
         """The workers /proc shows, not yet asked whether they are ready."""
-        self._children = [child for child in self._children if child.poll() is None]
+        self._reap()
         marked = self._marked()
         workers = []
         for pid, env in marked.items():
@@ -233,18 +236,14 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
-        self._children.append(process)
-        self._ports[process.pid] = port
+        self._children[process] = port
         return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
 
     def _free_port(self) -> int:
         """The first port of `ports` that no worker of ours has and nothing else holds."""
-        taken = {w.port for w in self.processes()}
         # and the ports of workers started here that /proc may not show as ours yet: a worker
         # binds its port only once loaded, so another start must not be given it meanwhile
-        live = {child.pid for child in self._children}
-        self._ports = {pid: port for pid, port in self._ports.items() if pid in live}
-        taken |= set(self._ports.values())
+        taken = {w.port for w in self.processes()} | set(self._children.values())
         first, last = self.config.ports
         for port in range(first, last + 1):
             if port not in taken and _bindable(self.config.host, port):
@@ -288,7 +287,7 @@ class Supervisor:
 
     def _alive(self, worker: WorkerProcess) -> bool:
         # reaps our own children; a worker a killed controller left is reaped by init
-        self._children = [child for child in self._children if child.poll() is None]
+        self._reap()
         env = _environ(worker.pid)
         return env is not None and env.get("GPUBALANCE_STARTED_SECONDS") == repr(
             worker.started_seconds

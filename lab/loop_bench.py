@@ -527,8 +527,6 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan, Classifier | None]:
     if args.model is not None:
         from gpubalance.analyzer import model
 
-        if not args.model.is_file():
-            raise BenchError(f"--model {args.model}: no such file")
         try:
             classifier = model.load(args.model)
         except model.ModelError as exc:
