@@ -7,7 +7,8 @@ step, and its end: moved, undone, failed, refused), `recommendation`, `target`, 
 undo). It is also
 the controller's memory of what it did, which HAProxy cannot show: at start the changes applied
 within the last hour (for the rate limit, the freezes and the breaker) and whether the breaker
-was left open are read back from it.
+was left open are read back from it. Each line is also an event of the trace span it was
+decided in (controller/tracing.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import IO, Any
 
+from gpubalance.controller import tracing
 from gpubalance.controller.model import Applied
 
 log = logging.getLogger("gpubalance.controller")
@@ -34,6 +36,7 @@ class AuditLog:
         line = {"at_seconds": round(at_seconds, 3), "decision": decision, **fields}
         self._file.write(json.dumps(line, sort_keys=True, default=str) + "\n")
         self._file.flush()
+        tracing.event(decision, fields)
 
     def close(self) -> None:
         if self._file is not None:

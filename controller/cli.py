@@ -209,6 +209,7 @@ async def serve(
     from gpubalance.controller.mover import Mover
     from gpubalance.controller.runtime_actuator import RuntimeApiActuator
     from gpubalance.controller.server import ControlServer
+    from gpubalance.controller.tracing import from_environment
     from gpubalance.webconfig import WebSecurity
 
     log = logging.getLogger("gpubalance.controller")
@@ -231,6 +232,9 @@ async def serve(
         actuator = agent
     else:
         actuator = RuntimeApiActuator(api)
+    tracing = from_environment()
+    if tracing.endpoint is not None:
+        log.info("traces of the decisions go to %s (OTLP/HTTP)", tracing.endpoint)
     async with aiohttp.ClientSession() as session:
         audit, metrics = AuditLog(args.audit_log), Metrics()
         mover = None
@@ -238,7 +242,9 @@ async def serve(
             from gpubalance.controller.supervisor import Supervisor
 
             runtime = RuntimeApiActuator(api)
-            mover = Mover(Supervisor(workers), runtime, audit, metrics, settings, session)
+            mover = Mover(
+                Supervisor(workers), runtime, audit, metrics, settings, session, tracing.tracer
+            )
         controller = Controller(
             api,
             actuator,
@@ -247,6 +253,7 @@ async def serve(
             metrics,
             settings,
             mover=mover,
+            tracer=tracing.tracer,
         )
         app = ControlServer(controller, token).app()
         security.install(app)
@@ -280,4 +287,5 @@ async def serve(
         security.close()
         await runner.cleanup()
         controller.audit.close()
+    await asyncio.to_thread(tracing.shutdown)
     return 0

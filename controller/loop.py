@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+
+from gpubalance.controller import tracing
 from gpubalance.controller.actuator import Actuator, ActuatorError
 from gpubalance.controller.analyzer_client import AnalyzerClient, AnalyzerError
 from gpubalance.controller.audit import AuditLog
@@ -81,6 +84,7 @@ class Controller:
         identity: str = IDENTITY,
         clock: Callable[[], float] = time.time,
         mover: Mover | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.api = api
         self.actuator = actuator
@@ -91,6 +95,7 @@ class Controller:
         self.identity = identity
         self.clock = clock
         self.mover = mover
+        self.tracer = tracer or trace.NoOpTracer()
         self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
         self.breaker_open = audit.breaker_open()
         self.rearmed_at = audit.last_rearm()
@@ -129,10 +134,29 @@ class Controller:
 
     async def run_once(self) -> PassReport:
         started = time.monotonic()
-        try:
-            report = await self._pass()
-        finally:
-            self.metrics.cycle_duration.observe(time.monotonic() - started)
+        # a span per pass: its audit lines are its events, its changes its child spans
+        with self.tracer.start_as_current_span("controller pass") as span:
+            try:
+                report = await self._pass()
+            finally:
+                self.metrics.cycle_duration.observe(time.monotonic() - started)
+            span.set_attributes(
+                tracing.attributes(
+                    {
+                        "dry_run": not self.settings.act,
+                        "servers": report.servers,
+                        "recommendations": report.recommendations,
+                        "planned": len(report.planned),
+                        "applied": len(report.applied),
+                        "refused": len(report.refused),
+                        "met": len(report.met),
+                        "moving": report.moving,
+                    },
+                    "gpubalance.pass.",
+                )
+            )
+            if not report.ok:
+                span.set_status(trace.StatusCode.ERROR, report.error)
         self.failures = 0 if report.ok else self.failures + 1
         self.passes += 1
         self.last = report
@@ -331,7 +355,7 @@ class Controller:
                 )
             return False
         try:
-            await self.actuator.apply(change)
+            await self._apply(change, fields)
         except ActuatorError as exc:
             self.metrics.actions.labels(change.action, "failed").inc()
             self.audit.record(now, "failed", reason=str(exc), **fields)
@@ -344,6 +368,14 @@ class Controller:
         self.verifier.applied(change, now)
         return True
 
+    async def _apply(self, change: Change, fields: dict[str, Any]) -> None:
+        """The actuator's call, as a span of its own (an error it raises marks the span)."""
+        with self.tracer.start_as_current_span(
+            f"controller {change.action}",
+            attributes=tracing.attributes({**fields, "actuator": self.actuator.name}),
+        ):
+            await self.actuator.apply(change)
+
     async def _verified(self, verdict: Verdict, observed: Observed, now: float) -> list[str]:
         """Record a recommendation's verification; undo it when it made its backend worse."""
         rec_id = verdict.watch.recommendation_id
@@ -355,7 +387,7 @@ class Controller:
         for change in verdict.watch.undo(observed):
             fields = {"target": change.key, "action": change.action}
             try:
-                await self.actuator.apply(change)
+                await self._apply(change, {"recommendation": rec_id, "undo": True, **fields})
             except ActuatorError as exc:
                 self.metrics.actions.labels(change.action, "failed").inc()
                 self.audit.record(now, "failed", recommendation=rec_id, reason=str(exc), **fields)

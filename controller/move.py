@@ -170,12 +170,14 @@ class Wait:
 @dataclass(frozen=True, slots=True)
 class Undo:
     detail: str
+    exited_gpu: int | None = None  # the GPU whose new worker exited: its log says why
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
     outcome: Outcome
     detail: str
+    exited_gpu: int | None = None  # as for Undo
 
 
 Decision = Act | Wait | Undo | Finished
@@ -194,10 +196,11 @@ def next_step(
     there = observed.servers.get(server_key(dest, name))
     worker = workers.get(intent.gpu)
 
-    def failed(detail: str) -> Decision:
+    def failed(detail: str, exited: bool = False) -> Decision:
+        gpu = intent.gpu if exited else None
         if intent.phase == "move":
-            return Undo(f"{detail}; GPU {intent.gpu} goes back to {intent.source}")
-        return Finished("failed", f"{detail}; GPU {intent.gpu} serves no pool now")
+            return Undo(f"{detail}; GPU {intent.gpu} goes back to {intent.source}", gpu)
+        return Finished("failed", f"{detail}; GPU {intent.gpu} serves no pool now", gpu)
 
     # out of the pool it leaves: drain, sessions to 0, maint
     if here is not None and here.admin == "ready":
@@ -246,7 +249,7 @@ def next_step(
     if worker is None:
         started = intent.issued("start")
         if started is not None and started.recorded:
-            return failed(f"the {dest} worker of GPU {intent.gpu} exited during start-up")
+            return failed(f"the {dest} worker of GPU {intent.gpu} exited during start-up", True)
         return Act("start", pool=dest, detail=f"GPU {intent.gpu} for {dest}")
     if not worker.ready:
         if now - worker.started_seconds > limits.ready_timeout_seconds:

@@ -15,11 +15,13 @@ import logging
 import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+from opentelemetry import trace
 
+from gpubalance.controller import tracing
 from gpubalance.controller.actuator import ActuatorError
 from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.guard import HOUR_SECONDS
@@ -80,8 +82,10 @@ class Mover:
         metrics: Metrics,
         settings: Settings,
         session: aiohttp.ClientSession,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.supervisor = supervisor
+        self.tracer = tracer or trace.NoOpTracer()
         self.haproxy = haproxy
         self.audit = audit
         self.metrics = metrics
@@ -293,6 +297,10 @@ class Mover:
         if isinstance(decision, Wait):
             done.waiting = decision.detail
             return
+        if isinstance(decision, Undo | Finished) and decision.exited_gpu is not None:
+            decision = replace(
+                decision, detail=decision.detail + self.supervisor.last_words(decision.exited_gpu)
+            )
         if isinstance(decision, Undo):
             await self._carry(intent, Step(intent.phase, "undo", now, decision.detail), redo, done)
             return
@@ -321,7 +329,12 @@ class Mover:
             self.store.save(intent)  # before the step: a restart finds what was under way
         try:
             if act is not None:
-                await self._execute(intent, act)
+                fields = {"move": intent.id, "gpu": intent.gpu, "phase": step.phase}
+                with self.tracer.start_as_current_span(
+                    f"controller move {act.action}",
+                    attributes=tracing.attributes({**fields, "detail": step.detail}),
+                ):
+                    await self._execute(intent, act)
         except (ActuatorError, SupervisorError, ValueError) as exc:
             self.metrics.actions.labels(step.action, "failed").inc()
             self._record_step(intent, step, "failed", str(exc))

@@ -32,6 +32,7 @@ from gpubalance.controller.haproxy import check_name
 MARK = "GPUBALANCE_SUPERVISOR"
 _PLACEHOLDERS = ("gpu", "port", "pool", "host")
 _HEALTH_TIMEOUT_SECONDS = 2.0
+_LAST_WORDS_BYTES = 4096  # of a worker's log read for what it said last
 
 
 class SupervisorError(RuntimeError):
@@ -222,9 +223,9 @@ class Supervisor:
             "GPUBALANCE_PORT": str(port),
             "GPUBALANCE_STARTED_SECONDS": repr(started),
         }
-        logs = self.config.state_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"gpu{gpu}.log").open("ab") as log:
+        log_path = self.log_path(gpu)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
             try:
                 process = subprocess.Popen(
                     argv,
@@ -263,12 +264,33 @@ class Supervisor:
         while True:
             worker = (await self.observe(session)).get(gpu)
             if worker is None:
-                raise SupervisorError(f"the worker of GPU {gpu} exited during start-up")
+                raise SupervisorError(
+                    f"the worker of GPU {gpu} exited during start-up{self.last_words(gpu)}"
+                )
             if worker.ready:
                 return worker
             if time.monotonic() > deadline:
                 raise SupervisorError(f"the worker of GPU {gpu} was not ready within {limit} s")
             await asyncio.sleep(0.05)
+
+    def log_path(self, gpu: int) -> Path:
+        return self.config.state_dir / "logs" / f"gpu{gpu}.log"
+
+    def last_words(self, gpu: int) -> str:
+        """ "; its log (PATH) ends: LINE" from the GPU's worker log, what a worker that exited
+        said last (a traceback's last line names the error), or "" when it said nothing."""
+        path = self.log_path(gpu)
+        try:
+            with path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - _LAST_WORDS_BYTES))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        said = [line.strip() for line in lines if line.strip()]
+        if not said:
+            return ""
+        last = said[-1] if len(said[-1]) <= 300 else said[-1][:297] + "..."
+        return f"; its log ({path}) ends: {last}"
 
     def signal(self, worker: WorkerProcess, signum: int) -> None:
         """Signal the worker's process group (its own children too); gone already is fine."""

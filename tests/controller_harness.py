@@ -194,6 +194,28 @@ def make_controller(
     )
 
 
+async def start_command(*args: str, env: Mapping[str, str] = {}) -> asyncio.subprocess.Process:
+    """`gpubalance controller ARGS` with ``env`` over this process's environment."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpubalance",
+        "controller",
+        *args,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )
+
+
+async def stop_command(process: asyncio.subprocess.Process) -> bytes:
+    """SIGTERM (unless it exited) and its stderr once it has."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        _, err = await process.communicate()
+    return err
+
+
 def weights(api: RuntimeApi, backend: str = "be") -> dict[str, tuple[int, str]]:
     return {s.server: (s.uweight, s.admin) for s in api.show_servers_state(backend)}
 

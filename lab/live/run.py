@@ -182,7 +182,8 @@ class LiveLab:
                         if resp.status == 200:
                             break
                 if not self.processes[name].is_alive():
-                    raise RuntimeError(f"worker {name} exited during start-up")
+                    code = self.processes[name].exitcode
+                    raise RuntimeError(f"worker {name} exited during start-up (exit code {code})")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {name} did not answer within 60 s")
                 await asyncio.sleep(0.05)

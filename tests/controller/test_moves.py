@@ -107,6 +107,7 @@ def test_a_worker_that_fails_to_start_is_undone_and_the_gpu_returns(tmp_path: Pa
             ]
             undo = next(e for e in AuditLog(audit).entries() if e.get("action") == "undo")
             assert "exited during start-up" in undo["reason"]
+            assert undo["reason"].endswith("ends: the model of be_b does not fit on GPU 1")
             assert [status for status, _ in analyzer.acks_of("m1")] == ["failed"]
 
     asyncio.run(scenario())

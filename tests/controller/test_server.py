@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
@@ -26,6 +25,8 @@ from controller_harness import (
     haproxy_over,
     make_controller,
     recommendation,
+    start_command,
+    stop_command,
     weights,
     workers_config,
 )
@@ -227,26 +228,6 @@ def test_the_controller_imports_no_lab_module() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-async def start_command(*args: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gpubalance",
-        "controller",
-        *args,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-async def stop_command(process: asyncio.subprocess.Process) -> bytes:
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-    async with asyncio.timeout(30):
-        _, err = await process.communicate()
-    return err
 
 
 @pytest.mark.haproxy
