@@ -164,7 +164,7 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "",
         "Each scenario's cards, workers, pools, traffic, events and server weights are the static "
         "baseline; the policy replaces its balance algorithm (`gpubalance bench loop`). "
-        "`controller` is leastconn with the analyzer (queue baseline, capacity-model "
+        "`controller` is leastconn with the analyzer (the shipped model, capacity-model "
         "recommender) and the controller acting once per 30 s window, at the controller's "
         "default guardrails. Latency: arrival to "
         "answer of the answered requests, in seconds, per class where a scenario has two; "

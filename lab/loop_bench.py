@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -142,8 +143,7 @@ def run_policy(
     on_sample: Callable[[Sample], None] | None = None,
 ) -> LoopResult:
     """Run ``plan`` under ``policy``; ``classifier`` judges for the controller (default the
-    analyzer's default, the queue baseline)."""
-    from gpubalance.analyzer.baselines import CLASSIFIERS
+    analyzer's default, the shipped model)."""
     from gpubalance.lab import traffic
     from gpubalance.lab.control import closed_loop
     from gpubalance.lab.fast import FastRun
@@ -161,9 +161,7 @@ def run_policy(
     if policy == "controller":
         settings = settings or bench_settings(scenario.truth_window_seconds)
         with tempfile.TemporaryDirectory(prefix="gpubalance-loop-") as tmp:
-            loop = closed_loop(
-                run, classifier or CLASSIFIERS["baseline-queue"](), settings, Path(tmp) / "a.log"
-            )
+            loop = closed_loop(run, classifier or _shipped(), settings, Path(tmp) / "a.log")
             loop.run_to_end()
             loop.controller.audit.close()
             audit = loop.controller.audit.entries()
@@ -188,6 +186,14 @@ def run_policy(
         max_actions_per_freeze=_most_per_freeze(applied, settings),
         passes=passes,
     )
+
+
+@functools.cache
+def _shipped() -> Classifier:
+    """The shipped model, loaded once however many runs judge with it."""
+    from gpubalance.analyzer import model
+
+    return model.load_shipped()
 
 
 def splits(plan: Plan) -> list[Plan]:
@@ -457,8 +463,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--model",
         type=Path,
         metavar="FILE",
-        help="the controller's analyzer judges with this trained model (default: the queue "
-        "baseline, the analyzer's default)",
+        help="the controller's analyzer judges with this trained model (default: the shipped "
+        "model, the analyzer's default)",
     )
     loop.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     loop.set_defaults(_run=_run_loop)
