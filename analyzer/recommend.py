@@ -167,12 +167,18 @@ class Recommender:
         if self.move_load_seconds >= self.ttl_seconds:
             return None  # the GPU would still be loading when the prediction lapses
         demand = {p.pool: _Demand.of(table, p) for p in pools}
+        # a pool a GPU joined or left within the persistence windows and one more is judged
+        # on too few windows of its new shape (its load, its capacity): a second move at it
+        # would stack on the first before anyone saw what the first did
+        settled = [
+            p for p in pools if p.pool not in _reshaped(table, p.host, self.persistence_windows + 1)
+        ]
         moves: list[_Move] = []
-        for busy in pools:
+        for busy in settled:
             queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]
             if statistics.fmean(queued or [0.0]) < 1.0:
                 continue
-            for quiet in pools:
+            for quiet in settled:
                 move = None if quiet is busy else _Move.of(self, busy, quiet, demand)
                 if move is not None and move.gain >= self.min_gain_rho:
                     moves.append(move)
@@ -197,6 +203,18 @@ class Recommender:
             if run >= self.persistence_windows:
                 out[key] = _Held(last, series[-run].t_start)
         return out
+
+
+def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
+    """The host's pools whose GPUs, over its latest ``windows`` windows, were not the same in
+    each: a GPU joined, left, or was between pools (a window with no frame of it)."""
+    members: dict[float, dict[str, set[int]]] = {}
+    for frame in table.frames:
+        if frame.host == host:
+            members.setdefault(frame.t_start, {}).setdefault(pool_of(frame), set()).add(frame.gpu)
+    recent = [members[t] for t in sorted(members)[-windows:]]
+    pools = {pool for window in recent for pool in window}
+    return {p for p in pools if len({frozenset(w.get(p, set())) for w in recent}) > 1}
 
 
 def _situation(verdict: Verdict) -> tuple[str, str, str | None]:

@@ -12,9 +12,10 @@ open or the hour's actions spent, and in dry-run only recorded.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,8 +84,10 @@ class Mover:
         settings: Settings,
         session: aiohttp.ClientSession,
         tracer: trace.Tracer | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.supervisor = supervisor
+        self.clock = clock  # a person's approval's time; a pass's steps go by what it observed
         self.tracer = tracer or trace.NoOpTracer()
         self.haproxy = haproxy
         self.audit = audit
@@ -100,6 +103,12 @@ class Mover:
         self.approved: list[MoveRequest] = []  # by a person, admitted at the next pass
         self._approvals = 0
         self._said: set[str] = set()  # recommendations whose dry run is recorded
+        # backend -> (when, GPU) of the last move into or out of it that ended, from the
+        # audit log: what a restarted controller knows of it as well
+        self._reshaped: dict[str, tuple[float, int]] = {}
+        for entry in audit.entries():
+            if entry.get("action") == "move" and entry.get("decision") in _ACK_OF:
+                self._note_reshaped(entry)
         metrics.moves_in_flight.set(0 if self.store.load() is None else 1)
 
     @property
@@ -108,11 +117,10 @@ class Mover:
 
     def approve(self, gpu: int, to: str) -> str:
         self._approvals += 1
-        request_id = f"{APPROVED}{int(time.time())}-{self._approvals}"
+        now = self.clock()
+        request_id = f"{APPROVED}{int(now)}-{self._approvals}"
         self.approved.append(MoveRequest(request_id, gpu, to, f"gpu:{gpu}"))
-        self.audit.record(
-            time.time(), "approved", recommendation=request_id, target=f"gpu:{gpu}", after=to
-        )
+        self.audit.record(now, "approved", recommendation=request_id, target=f"gpu:{gpu}", after=to)
         return request_id
 
     def in_flight(self) -> dict[str, Any] | None:
@@ -223,6 +231,12 @@ class Mover:
                     self.approved.remove(request)
                 continue
             assert admission.intent is not None
+            changed = self._changed_shape(admission.intent, now)
+            if changed is not None and not approved:
+                done.refusals.append(
+                    Refusal(request.recommendation_id, "frozen", changed, None, request.target)
+                )
+                continue
             if spent >= self.settings.max_actions_per_hour:
                 detail = f"{spent} actions in the last hour"
                 done.refusals.append(
@@ -247,6 +261,25 @@ class Mover:
                 Applied(now, f"gpu:{started.gpu}", started.recommendation_id, "move")
             )
             done.applied.append(f"move GPU {started.gpu} {started.source} -> {started.target}")
+
+    def _note_reshaped(self, entry: Mapping[str, Any]) -> None:
+        gpu = str(entry.get("target", "")).removeprefix("gpu:")
+        for backend in (entry.get("before"), entry.get("after")):
+            if isinstance(backend, str) and gpu.isdigit():
+                self._reshaped[backend] = (float(entry["at_seconds"]), int(gpu))
+
+    def _changed_shape(self, intent: MoveIntent, now: float) -> str | None:
+        """Why the move must wait: a pool it leaves or joins changed its GPUs within the
+        freeze. The recommendation was made on windows of the pool's old shape (a move's own
+        last window still shows it), so a second move on it stacks on the first unseen."""
+        for backend in (intent.source, intent.target):
+            when, gpu = self._reshaped.get(backend, (-math.inf, -1))
+            if now - when < self.settings.freeze_seconds:
+                return (
+                    f"{backend} changed its GPUs {now - when:.0f} s ago (GPU {gpu} moved; "
+                    f"freeze {self.settings.freeze_seconds:.0f} s): a move waits for its new shape"
+                )
+        return None
 
     def _record_move(self, intent: MoveIntent, decision: str, reason: str) -> None:
         self.audit.record(
@@ -308,7 +341,7 @@ class Mover:
             step = Step(intent.phase, "finish", now, decision.detail)
             if not redo:
                 self.store.save(intent.with_step(step))
-            self._finish(intent, decision, done)
+            self._finish(intent, decision, done, now)
             return
         step = Step(intent.phase, decision.action, now, _detail(decision))
         await self._carry(intent, step, redo, done, decision)
@@ -372,11 +405,11 @@ class Mover:
         elif act.action == "start":
             self.supervisor.start(intent.gpu, act.pool)
 
-    def _finish(self, intent: MoveIntent, finished: Finished, done: MovePass) -> None:
+    def _finish(self, intent: MoveIntent, finished: Finished, done: MovePass, now: float) -> None:
         outcome = finished.outcome
         self.metrics.actions.labels("move", "applied" if outcome == "moved" else "failed").inc()
         self.audit.record(
-            time.time(),
+            now,
             outcome,
             recommendation=intent.recommendation_id,
             target=f"gpu:{intent.gpu}",
@@ -385,6 +418,10 @@ class Mover:
             before=intent.source,
             after=intent.target,
             reason=finished.detail,
+        )
+        self._note_reshaped(
+            {"at_seconds": now, "target": f"gpu:{intent.gpu}"}
+            | {"before": intent.source, "after": intent.target}
         )
         self.store.clear()
         if _from_analyzer(intent.recommendation_id):

@@ -380,6 +380,7 @@ def closed_loop(
             metrics,
             settings,
             None,  # type: ignore[arg-type]  # no HTTP: the lab's workers are not asked
+            clock=clock,
         )
     controller = Controller(
         LabBalancer(run),  # type: ignore[arg-type]  # RuntimeApi's reads, on the lab

@@ -36,7 +36,7 @@ from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Settings
 from gpubalance.controller.mover import Mover
 from gpubalance.controller.runtime_actuator import RuntimeApiActuator
-from gpubalance.controller.supervisor import Supervisor, WorkersConfig
+from gpubalance.controller.supervisor import MARK, Supervisor, WorkersConfig
 from gpubalance.diagnosis import Recommendation
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
@@ -223,13 +223,60 @@ def weights(api: RuntimeApi, backend: str = "be") -> dict[str, tuple[int, str]]:
 SERVE_WORKER = str(Path(__file__).parent / "controller" / "serve_worker.py")
 
 
+def lane() -> str:
+    """This pytest-xdist worker's name (gw0 outside xdist)."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+
+
 def lane_ports() -> tuple[int, int]:
     """The worker ports of this pytest-xdist worker's tests: a supervisor takes the first port
     of its range that nothing holds, so two tests started side by side on one range can both
     take it before either worker binds it (seen: a worker exiting at start-up)."""
-    lane = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    first = 20000 + 200 * (lane % 5)
+    first = 20000 + 200 * (int(lane().removeprefix("gw") or 0) % 5)
     return first, first + 199
+
+
+def kill_workers(instance_prefix: str, timeout_seconds: float = 10.0) -> list[str]:
+    """SIGKILL the process group of every worker whose supervisor instance starts with
+    ``instance_prefix`` and wait until each has exited (its port free again); what each was.
+
+    A worker that outlives its test holds its port into the next test, whose supervisor may
+    give that port out while the survivor still loads (it binds only then): the next test's
+    worker exits at start-up, or a health check meant for it is answered by the survivor."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
+        mark = env.get(MARK.encode(), b"").decode()
+        if mark.startswith(instance_prefix) and b"GPUBALANCE_PORT" in env:
+            found[int(entry.name)] = (
+                f"pid {entry.name} of {mark}: GPU {env[b'GPUBALANCE_GPU'].decode()}, "
+                f"{env[b'GPUBALANCE_POOL'].decode()}, port {env[b'GPUBALANCE_PORT'].decode()}"
+            )
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group != os.getpgrp():  # a worker runs in a session of its own; never ours
+                os.killpg(group, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_seconds
+    for pid in found:
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return sorted(found.values())
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds no port)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def workers_config(
@@ -255,7 +302,9 @@ def workers_config(
     return WorkersConfig(
         command=tuple(command),
         gpus=gpus,
-        instance=instance or "t-" + hashlib.sha1(str(state_dir).encode()).hexdigest()[:12],
+        # this lane's, so that what a test leaves running is found (tests/controller/conftest.py)
+        instance=instance
+        or f"t-{lane()}-" + hashlib.sha1(str(state_dir).encode()).hexdigest()[:12],
         state_dir=state_dir,
         **{**settings, **fields},
     )
@@ -327,9 +376,8 @@ async def pools(
         async with haproxy_over(config) as haproxy:
             yield Pools(supervisor, haproxy, config)
     finally:
-        # every worker of this supervisor, the ones a move started too
-        for worker in supervisor.processes():
-            supervisor.signal(worker, signal.SIGKILL)
+        # every worker of this supervisor, the ones a move started too, gone before the next
+        await asyncio.to_thread(kill_workers, workers.instance)
 
 
 def make_mover_controller(

@@ -389,3 +389,29 @@ def test_no_move_without_a_busy_pool_or_when_the_load_outlasts_the_prediction() 
     slow = Recommender(move_load_seconds=120.0, ttl_seconds=120.0)
     assert _moves(slow.recommend(diagnosis, table, frames[-1].t_end)) == []
     assert _moves(Recommender().recommend(diagnosis, table, frames[-1].t_end))
+
+
+def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None:
+    def joined(windows_in_qwen: int) -> list[GpuFrame]:
+        """_two_pools over 4 windows, and GPU 4 moved from llama to qwen that many ago."""
+        frames = _two_pools(4)
+        for w in range(4):
+            pool = ("qwen",) if w >= 4 - windows_in_qwen else ("llama",)
+            frames.append(
+                _frame(
+                    4,
+                    w,
+                    workers=("w4",),
+                    queue_names=pool,
+                    utilization_mean_ratio=0.2,
+                    completions_per_second=1.0,
+                )
+            )
+        return frames
+
+    labels = LABELS | {4: "starved/low_demand"}
+    # qwen's new shape seen for one window, then two: too few to plan a second move on
+    assert _moves(_by_labels(joined(1), labels)) == []
+    assert _moves(_by_labels(joined(2), labels)) == []
+    # three (persistence 2, and one more): settled, and the least loaded qwen GPU may go
+    assert [m.target for m in _moves(_by_labels(joined(3), labels))] == ["gpu:2"]

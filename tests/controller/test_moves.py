@@ -4,6 +4,7 @@ processes (the lab's live worker), one step per pass, each step seen in HAProxy 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,5 +183,46 @@ def test_moves_count_against_the_hourly_limit_and_a_wait_is_logged_once(tmp_path
             assert controller.mover.in_flight() is None and rig.serving()["be_b"] == 2
             waits = [e for e in AuditLog(audit).entries() if e["decision"] == "waiting"]
             assert [e["reason"] for e in waits] == ["rate_limited: 1 actions in the last hour"]
+
+    asyncio.run(scenario())
+
+
+def test_a_pool_a_move_changed_takes_no_second_move_within_the_freeze(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        workers = workers_config(tmp_path / "state")
+        async with (
+            aiohttp.ClientSession() as http,
+            Analyzer() as analyzer,
+            pools(tmp_path / "run", workers, http) as rig,
+        ):
+            audit = tmp_path / "audit.jsonl"
+            # both made on the same windows: GPU 1 to be_b, and (be_b then having two) GPU 2
+            # back to be_a, the second stacking on the first before anyone saw its effect
+            analyzer.recommendations = [
+                recommendation("m1", "move_worker", "gpu:1", {"gpu": 1, "to": "be_b"}),
+                recommendation("m2", "move_worker", "gpu:2", {"gpu": 2, "to": "be_a"}),
+            ]
+            settings = replace(FAST, freeze_seconds=3.0)
+            controller = make_mover_controller(rig, analyzer.url, http, audit, settings)
+            await controller.run_once()  # m1 admitted; m2 waits for the move in flight
+            await run_until_moved(controller)
+            ended = time.time()
+            assert rig.serving() == {"be_a": 1, "be_b": 2}
+            report = await controller.run_once()
+            assert controller.mover.in_flight() is None
+            assert any(r.startswith("m2: frozen") for r in report.refused), report.refused
+            frozen = [e for e in AuditLog(audit).entries() if e["decision"] == "waiting"]
+            assert "be_b changed its GPUs" in frozen[-1]["reason"]
+            # a restarted controller knows it too, from the audit log
+            again = make_mover_controller(rig, analyzer.url, http, audit, settings)
+            assert any(r.startswith("m2: frozen") for r in (await again.run_once()).refused)
+            # once the freeze is over, m2 goes ahead
+            await asyncio.sleep(max(0.0, ended + settings.freeze_seconds - time.time()))
+            await again.run_once()
+            await run_until_moved(again)
+            assert rig.serving() == {"be_a": 2, "be_b": 1}
+            assert [
+                e["recommendation"] for e in AuditLog(audit).entries() if e["decision"] == "moved"
+            ] == ["m1", "m2"]
 
     asyncio.run(scenario())

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
-from controller_harness import workers_config
+from controller_harness import kill_workers, workers_config
 from pydantic import ValidationError
 
 from gpubalance.controller.supervisor import Supervisor, SupervisorError, WorkersConfig
@@ -120,4 +119,4 @@ def test_workers_get_ports_of_the_configured_range_that_nothing_holds(tmp_path: 
         with pytest.raises(SupervisorError, match=r"widen controller\.workers\.ports"):
             supervisor.start(1, "be_a")
     finally:
-        supervisor.signal(started, signal.SIGKILL)
+        kill_workers(supervisor.config.instance)

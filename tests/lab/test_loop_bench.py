@@ -348,6 +348,8 @@ def test_the_lab_carries_a_move_through_the_controllers_mover(tmp_path: Path) ->
     steps = [e["action"] for e in entries if e.get("move") and e["decision"] == "step"]
     assert steps == ["drain", "maint", "stop", "del_server", "start", "add_server", "ready"]
     assert [e["decision"] for e in entries if e.get("move")][-1] == "moved"
+    # every line on the run's clock, the move's end too
+    assert all(ORIGIN_SECONDS <= e["at_seconds"] <= ORIGIN_SECONDS + 120.0 for e in entries)
     assert run.worker_on(2).plan.pool == "chat" and run.worker_on(2).plan.model_name == "small"
     # the code pool kept a server all along; chat has three at the end
     assert min(s["be_code"] for s in serving) == 1
