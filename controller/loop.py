@@ -189,6 +189,7 @@ class Controller:
             return self._source_failed("analyzer", now, exc)
         self.metrics.source_up.labels("analyzer").set(1)
         observed = observed_from(states, stats, now, self.settings.backends)
+        self.metrics.servers(observed)
         self.verifier.observe(observed)
         # what the analyzer no longer lists cannot come back to be logged or acked
         listed = {r.id for r in recommendations}

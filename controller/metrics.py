@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gpubalance.controller.model import REFUSAL_REASONS
+from gpubalance.controller.model import REFUSAL_REASONS, Observed
 
 SOURCES = ("haproxy", "analyzer")
 
@@ -70,9 +70,30 @@ class Metrics:
             "1 while a worker's move between pools is under way (at most one at a time)",
             registry=r,
         )
+        # what HAProxy showed at the last pass that read it, the controller's changes included
+        self.server_weight = Gauge(
+            "gpubalance_controller_server_weight",
+            "Each managed server's weight (0-256) as HAProxy reported it at the last pass",
+            ["backend", "server"],
+            registry=r,
+        )
+        self.server_serving = Gauge(
+            "gpubalance_controller_server_serving",
+            "1 while the server takes new requests (ready, up, weighted) at the last pass",
+            ["backend", "server"],
+            registry=r,
+        )
         self.cycle_duration = Histogram(
             "gpubalance_controller_cycle_duration_seconds",
             "Time of one observe-plan-guard-act-record pass",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,
         )
+
+    def servers(self, observed: Observed) -> None:
+        """The server gauges as HAProxy shows them now: a server it no longer has is gone."""
+        self.server_weight.clear()
+        self.server_serving.clear()
+        for server in observed.servers.values():
+            self.server_weight.labels(server.backend, server.server).set(server.weight)
+            self.server_serving.labels(server.backend, server.server).set(int(server.serving))

@@ -1,5 +1,6 @@
-"""Controller: what it did (actions as annotations), what it refused, the weights recommended,
-and its guardrails (breaker, dry run, pause, its sources)."""
+"""Controller: what it did (actions as annotations), what it refused, the weights recommended
+and those HAProxy has, its serving servers, and its guardrails (breaker, dry run, pause, its
+sources)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,29 @@ def build() -> dict[str, Any]:
                     query(
                         'gpubalance_worker_recommended_weight{gpu=~"$gpu"}',
                         "GPU {{gpu}} {{worker}}",
+                    )
+                ],
+                "short",
+            )
+        )
+        .with_panel(
+            series(
+                "HAProxy weights",
+                "Each managed server's weight as HAProxy reported it at the controller's last "
+                "pass: the recommended weights above, as far as the bounded steps have got.",
+                [query("gpubalance_controller_server_weight", "{{backend}}/{{server}}")],
+                "short",
+            )
+        )
+        .with_panel(
+            series(
+                "Serving servers per backend",
+                "Servers taking new requests (ready, up, weighted) per backend: a drain or a "
+                "worker's move shows as a dip; a pool at 0 serves nothing.",
+                [
+                    query(
+                        "sum by (backend) (gpubalance_controller_server_serving)",
+                        "{{backend}}",
                     )
                 ],
                 "short",

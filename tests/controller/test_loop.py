@@ -71,6 +71,10 @@ def test_acting_converges_then_does_nothing_and_acks_applied(tmp_path: Path) -> 
                 assert applied[0]["recommendation"] == "r1" and applied[0]["target"] == "be/s1"
                 last = await controller.run_once()
                 assert last.applied == [] and last.planned == [] and last.met == ["r1"]
+                # HAProxy's weights as the last pass read them, on /metrics
+                labels = {"backend": "be", "server": "s1"}
+                assert sample(controller, "gpubalance_controller_server_weight", **labels) == 40
+                assert sample(controller, "gpubalance_controller_server_serving", **labels) == 1
                 assert analyzer.acks_of("r1") == [("applied", "HAProxy shows what it asks for")]
                 assert (
                     sample(

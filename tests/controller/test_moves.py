@@ -58,6 +58,12 @@ def test_an_approved_move_takes_the_gpu_to_the_other_pool_step_by_step(tmp_path:
                 "be_a": [("gpu0", "ready", True)],
                 "be_b": [("gpu1", "ready", True), ("gpu2", "ready", True)],
             }
+            # the server gauges follow it: gpu1 left be_a and serves in be_b
+            await controller.run_once()
+            weight = "gpubalance_controller_server_weight"
+            assert metrics.get_sample_value(weight, {"backend": "be_a", "server": "gpu1"}) is None
+            serving = {"backend": "be_b", "server": "gpu1"}
+            assert metrics.get_sample_value("gpubalance_controller_server_serving", serving) == 1
             moved = (await controller.mover.observe())[1]
             assert moved.pool == "be_b" and moved.ready
             ports = {s.server: s.port for s in rig.api.show_servers_state("be_b")}
