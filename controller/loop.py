@@ -108,6 +108,7 @@ class Controller:
         # (recommendation, target, decision, reason): a waiting decision is logged once
         self._said: set[tuple[str, str, str, str]] = set()
         self.verifier = Verifier(settings.freeze_seconds, settings.undo_worse_ratio)
+        self.verifier.resume(audit.entries(), clock())
         metrics.dry_run.set(0 if settings.act else 1)
         metrics.breaker_tripped.set(1 if self.breaker_open else 0)
         metrics.paused.set(0)
@@ -364,9 +365,12 @@ class Controller:
             return False
         self.history.append(change.applied(now))
         self.metrics.actions.labels(change.action, "applied").inc()
+        # a recommendation's first change carries what it is verified against, for a restart
+        before = self.verifier.applied(change, now)
+        if before is not None:
+            fields["verify_before_seconds"] = round(before, 6)
         self.audit.record(now, "applied", reason=self.actuator.name, **fields)
         log.info("%s (%s)", _describe(change), change.recommendation_id)
-        self.verifier.applied(change, now)
         return True
 
     async def _apply(self, change: Change, fields: dict[str, Any]) -> None:

@@ -9,15 +9,17 @@ HAProxy does not have, and a change in demand moves both sides of it.
 When a recommendation's last change has stood for `freeze_seconds`, its backend's time in the
 system over that freeze is compared with the same length before its first change; more than
 `undo_worse_ratio` times it, and the recommendation's servers go back to what they were
-before it. Only the passes of this process count: the figures before a restart are not in the
-audit log, so a change made before one is not verified.
+before it. The figure before is taken as the first change is made and written with it to the
+audit log (`verify_before_seconds`), so a restarted controller still verifies a change made
+before it (`Verifier.resume`), over the passes it sees of the freeze after it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gpubalance.controller.model import Change, ChangeKind, Observed
 
@@ -66,6 +68,8 @@ class Watch:
     backend: str
     first_at: float
     last_at: float
+    # the backend's mean time in the system over the freeze before the first change
+    before_seconds: float | None = None
     # each server's value before the recommendation's first change of it: what an undo sets
     before: dict[tuple[str, ChangeKind], Change] = field(default_factory=dict)
 
@@ -102,6 +106,24 @@ class Verdict:
         )
 
 
+# how far back a restarted controller looks for changes to verify, in freezes: a recommendation
+# re-weighted in bounded steps takes several passes before its last change starts the freeze
+HORIZON_FREEZES = 10
+
+
+def _change_of(entry: Mapping[str, Any]) -> Change | None:
+    """The change an audit `applied` line records (None for a move or a line without one)."""
+    action, target = entry.get("action"), entry.get("target")
+    if action not in ("set_weight", "drain", "ready", "maint") or not isinstance(target, str):
+        return None
+    backend, _, server = target.partition("/")
+    before, after = entry.get("before"), entry.get("after")
+    if not server or before is None or after is None:
+        return None
+    kind: ChangeKind = "set_weight" if action == "set_weight" else "set_state"
+    return Change(kind, backend, server, after, before, str(entry["recommendation"]))
+
+
 class Verifier:
     """The backends' loads over the last passes, and the recommendations to verify."""
 
@@ -121,12 +143,45 @@ class Verifier:
             while kept and kept[0].at_seconds < horizon:
                 kept.popleft()
 
-    def applied(self, change: Change, now: float) -> None:
+    def applied(self, change: Change, now: float) -> float | None:
+        """Watch the change; for a recommendation's first, the figure it will be judged
+        against (for the audit log), else None."""
         watch = self.watches.get(change.recommendation_id)
+        first = watch is None
         if watch is None:
-            watch = Watch(change.recommendation_id, change.backend, now, now)
+            # the pass that acted saw the state before it: it closes the stretch before
+            history = self.history.get(change.backend, ())
+            before = time_in_system(history, now - self.freeze_seconds, now)
+            watch = Watch(change.recommendation_id, change.backend, now, now, before)
             self.watches[change.recommendation_id] = watch
         watch.add(change, now)
+        return watch.before_seconds if first else None
+
+    def resume(self, entries: Iterable[Mapping[str, Any]], now: float) -> None:
+        """The watches of the audit log's changes not yet verified: its `applied` lines of
+        set_weight and admin changes within the freeze (and a ramp's length) before now."""
+        found: dict[str, Watch] = {}
+        for e in entries:
+            rec_id, decision = e.get("recommendation"), e.get("decision")
+            if not isinstance(rec_id, str):
+                continue
+            if decision in ("verified", "undone"):
+                found.pop(rec_id, None)
+                continue
+            change = _change_of(e) if decision == "applied" else None
+            if (
+                change is None
+                or now - float(e["at_seconds"]) > HORIZON_FREEZES * self.freeze_seconds
+            ):
+                continue
+            at = float(e["at_seconds"])
+            watch = found.get(rec_id)
+            if watch is None:
+                before = e.get("verify_before_seconds")
+                figure = float(before) if isinstance(before, int | float) else None
+                watch = found[rec_id] = Watch(rec_id, change.backend, at, at, figure)
+            watch.add(change, at)
+        self.watches.update(found)
 
     def due(self, now: float) -> list[Verdict]:
         """The watches whose freeze has passed, judged; those without figures are dropped."""
@@ -136,8 +191,7 @@ class Verifier:
                 continue
             del self.watches[rec_id]
             history = self.history.get(watch.backend, ())
-            # the pass that acted saw the state before it: it closes the stretch before
-            before = time_in_system(history, watch.first_at - self.freeze_seconds, watch.first_at)
+            before = watch.before_seconds
             after = time_in_system(history, watch.last_at, watch.last_at + self.freeze_seconds)
             if before is None or after is None:
                 continue

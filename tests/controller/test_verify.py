@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,11 +88,13 @@ class FixedAnalyzer:
         )
 
 
-def test_a_reweighting_that_makes_the_pool_slower_is_undone_after_its_freeze(
-    tmp_path: Path,
-) -> None:
-    # four equal cards, equal weights: balanced, until a bad recommendation sends one card
-    # nearly everything
+def _bad_reweighting(
+    tmp_path: Path, restart_at: float | None = None
+) -> tuple[list[dict[str, Any]], FastRun, FixedAnalyzer, Controller]:
+    """Four equal cards, equal weights: balanced, until a bad recommendation at 100 s sends
+    one card nearly everything; a pass every 10 s for 300 s, the controller started afresh
+    (a new process, the same audit log) at ``restart_at``. The audit's lines, the run, the
+    analyzer and the last controller."""
     base = bench_plan(scenario.load("default-target"), "controller")
     router = base.scenario.router.model_copy(update={"weights": {f"w{i}": 1.0 for i in range(4)}})
     plan = dataclasses.replace(base, scenario=base.scenario.model_copy(update={"router": router}))
@@ -111,23 +114,37 @@ def test_a_reweighting_that_makes_the_pool_slower_is_undone_after_its_freeze(
     )
     analyzer = FixedAnalyzer([])
     settings = Settings(act=True, interval_seconds=10.0, dwell_cycles=1, max_weight_step=256)
-    audit = AuditLog(tmp_path / "audit.jsonl")
-    controller = Controller(
-        LabBalancer(run),  # type: ignore[arg-type]
-        LabActuator(run),
-        analyzer,  # type: ignore[arg-type]
-        audit,
-        Metrics(),
-        settings,
-        clock=lambda: ORIGIN_SECONDS + run.env.now,
-    )
+    path = tmp_path / "audit.jsonl"
+
+    def start() -> Controller:
+        return Controller(
+            LabBalancer(run),  # type: ignore[arg-type]
+            LabActuator(run),
+            analyzer,  # type: ignore[arg-type]
+            AuditLog(path),
+            Metrics(),
+            settings,
+            clock=lambda: ORIGIN_SECONDS + run.env.now,
+        )
+
+    controller = start()
     for t in range(10, 300, 10):
         if t == 100:
             analyzer.listed["bad"] = bad
         run.advance(t + 1e-6)
+        if t == restart_at:
+            controller.audit.close()
+            controller = start()
         asyncio.run(controller.run_once())
     run.finish()
-    entries = [json.loads(line) for line in audit.path.read_text().splitlines()]
+    controller.audit.close()
+    return [json.loads(line) for line in path.read_text().splitlines()], run, analyzer, controller
+
+
+def test_a_reweighting_that_makes_the_pool_slower_is_undone_after_its_freeze(
+    tmp_path: Path,
+) -> None:
+    entries, run, analyzer, controller = _bad_reweighting(tmp_path)
     decisions = [(e["decision"], e.get("target"), e.get("after")) for e in entries]
     assert ("applied", "be_default/w0", 256) in decisions
     # undone at the end of its freeze: w0 back to 1, and nothing applied again after
@@ -148,3 +165,29 @@ def test_a_reweighting_that_makes_the_pool_slower_is_undone_after_its_freeze(
         sample("gpubalance_controller_actions_total", {"action": "set_weight", "outcome": "undone"})
         == 1
     )
+
+
+def test_a_controller_restarted_within_the_freeze_still_verifies_and_undoes(
+    tmp_path: Path,
+) -> None:
+    entries, run, _, controller = _bad_reweighting(tmp_path, restart_at=130)
+    # the figure it is judged against went to the audit log with the first change
+    first = next(e for e in entries if e["decision"] == "applied")
+    assert first["verify_before_seconds"] > 0
+    undone = [e for e in entries if e["decision"] == "undone"]
+    assert [(e["target"], e["before"], e["after"]) for e in undone] == [("be_default/w0", 256, 1)]
+    assert undone[0]["at_seconds"] == pytest.approx(ORIGIN_SECONDS + 160.0)
+    assert run.router.weights["w0"] == 1.0
+    sample = controller.metrics.registry.get_sample_value
+    assert sample("gpubalance_controller_verifications_total", {"result": "undone"}) == 1
+    # and once verified, a later restart does not judge it again
+    again = Controller(
+        LabBalancer(run),  # type: ignore[arg-type]
+        LabActuator(run),
+        FixedAnalyzer([]),  # type: ignore[arg-type]
+        AuditLog(tmp_path / "audit.jsonl"),
+        Metrics(),
+        controller.settings,
+        clock=lambda: ORIGIN_SECONDS + 170.0,
+    )
+    assert again.verifier.watches == {}
