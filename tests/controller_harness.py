@@ -364,7 +364,10 @@ async def pools(
                     if w.pool == pool
                 ),
                 health_check_path=workers.health_path,
+                # a dead worker is out within 0.6 s (its port refuses); a slow answer on a
+                # loaded machine is not a dead worker
                 health_check_interval_seconds=0.2,
+                health_check_timeout_seconds=2.0,
             )
             for pool in sorted(set(placement.values()))
         )

@@ -127,8 +127,11 @@ class Backend:
 
     With `health_check_path`, HAProxy sends `GET <path>` to every server each
     `health_check_interval_seconds`: 3 failures in a row take a server out (status DOWN), 2
-    successes bring it back (HAProxy's defaults). Without it a dead server keeps its share and
-    its requests get HAProxy's 503.
+    successes bring it back (HAProxy's defaults). A check fails when no answer comes within
+    the interval, or within `health_check_timeout_seconds` once the connection is made when
+    that is set (`timeout check`): a short interval finds a dead server soon (its port refuses
+    at once), a longer timeout keeps a busy one that answers slowly. Without a path a dead
+    server keeps its share and its requests get HAProxy's 503.
     """
 
     name: str
@@ -137,6 +140,7 @@ class Backend:
     queue_timeout_seconds: float = 30.0
     health_check_path: str | None = None
     health_check_interval_seconds: float = 1.0
+    health_check_timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
         check_name("backend name", self.name)
@@ -151,6 +155,8 @@ class Backend:
             raise ValueError(f"backend {self.name}: server names repeat: {names}")
         _duration(self.queue_timeout_seconds)
         _duration(self.health_check_interval_seconds)
+        if self.health_check_timeout_seconds is not None:
+            _duration(self.health_check_timeout_seconds)
         if self.health_check_path is not None and not _PATH.fullmatch(self.health_check_path):
             raise ValueError(
                 f"backend {self.name}: health_check_path {self.health_check_path!r} must start "
@@ -315,6 +321,8 @@ def render(config: HaproxyConfig) -> str:
             lines.append(f"    cookie {STICKY_COOKIE} indirect nocache")
         if backend.health_check_path is not None:
             lines.append(f"    option httpchk GET {backend.health_check_path}")
+            if backend.health_check_timeout_seconds is not None:
+                lines.append(f"    timeout check {_duration(backend.health_check_timeout_seconds)}")
         for server in backend.servers:
             line = f"    server {server.name} {server.host}:{server.port} weight {server.weight}"
             if server.maxconn is not None:

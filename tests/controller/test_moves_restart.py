@@ -102,12 +102,16 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
 
             watcher = asyncio.create_task(watch())
             killed_at: list[list[str]] = []
+            process: asyncio.subprocess.Process | None = None
             try:
                 async with asyncio.timeout(240):
-                    for gpu_to, points in (
-                        (("be_b"), ["drain", "stop", "start", "add_server"]),
-                        (("be_a"), ["maint", "del_server", "ready"]),
+                    for gpu_to, points, before in (
+                        ("be_b", ["drain", "stop", "start", "add_server"], {"be_a": 2, "be_b": 1}),
+                        ("be_a", ["maint", "del_server", "ready"], {"be_a": 1, "be_b": 2}),
                     ):
+                        # as HAProxy shows it: the pool left keeps a serving server
+                        while await asyncio.to_thread(rig.serving) != before:
+                            await asyncio.sleep(0.05)
                         process = await _start(args, tmp_path / "controller.log")
                         assert (await approve(1, gpu_to))["mode"] == "act"
                         for point in points:
@@ -123,6 +127,8 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
                         assert await process.wait() == 0
             finally:
                 watcher.cancel()
+                if process is not None and process.returncode is None:
+                    await _kill(process)  # failed midway: it must not act on the next test
             assert rig.placement() == {
                 "be_a": [("gpu0", "ready", True), ("gpu1", "ready", True)],
                 "be_b": [("gpu2", "ready", True)],

@@ -174,10 +174,17 @@ def test_render_is_plain_haproxy_text(tmp_path: Path) -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_haproxy_accepts_every_policy(tmp_path: Path, policy: str) -> None:
     servers = tuple(Server(f"gpu{i}", "127.0.0.1", 19000 + i, maxconn=2) for i in range(3))
-    backend = Backend("be", servers, policy=policy, health_check_path="/healthz")
+    backend = Backend(
+        "be",
+        servers,
+        policy=policy,
+        health_check_path="/healthz",
+        health_check_timeout_seconds=2.0,
+    )
     config = one_backend(tmp_path, backend, stats_port=free_port())
     path = tmp_path / "haproxy.cfg"
     path.write_text(render(config))
+    assert "    timeout check 2s\n" in path.read_text()
     check(path)
 
 
