@@ -61,6 +61,8 @@ _ACK_OF: Mapping[str, AckStatus] = {
     "failed": "failed",
     "refused": "rejected",
 }
+# the ends of a move that changed the pools' GPUs on the way (a refused one changed none)
+_RESHAPED = frozenset({"moved", "undone", "failed"})
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ class Mover:
         # audit log: what a restarted controller knows of it as well
         self._reshaped: dict[str, tuple[float, int]] = {}
         for entry in audit.entries():
-            if entry.get("action") == "move" and entry.get("decision") in _ACK_OF:
+            if entry.get("action") == "move" and entry.get("decision") in _RESHAPED:
                 self._note_reshaped(entry)
         metrics.moves_in_flight.set(0 if self.store.load() is None else 1)
 
@@ -419,10 +421,11 @@ class Mover:
             after=intent.target,
             reason=finished.detail,
         )
-        self._note_reshaped(
-            {"at_seconds": now, "target": f"gpu:{intent.gpu}"}
-            | {"before": intent.source, "after": intent.target}
-        )
+        if outcome in _RESHAPED:
+            self._note_reshaped(
+                {"at_seconds": now, "target": f"gpu:{intent.gpu}"}
+                | {"before": intent.source, "after": intent.target}
+            )
         self.store.clear()
         if _from_analyzer(intent.recommendation_id):
             done.acks.append((intent.recommendation_id, _ACK_OF[outcome], finished.detail))

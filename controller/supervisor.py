@@ -277,8 +277,8 @@ class Supervisor:
         return self.config.state_dir / "logs" / f"gpu{gpu}.log"
 
     def last_words(self, gpu: int) -> str:
-        """ "; its log (PATH) ends: LINE" from the GPU's worker log, what a worker that exited
-        said last (a traceback's last line names the error), or "" when it said nothing."""
+        """What the GPU's worker said last, from its log, for the message of one that exited:
+        '; its log (PATH) ends: LINE' (a traceback's last line names the error), or ''."""
         path = self.log_path(gpu)
         try:
             with path.open("rb") as log:
