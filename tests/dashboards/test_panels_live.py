@@ -274,9 +274,14 @@ class LiveSystem:
         url = f"http://127.0.0.1:{self.fault_port}/metrics"
         deadline = time.monotonic() + 30
         while True:
-            with urllib.request.urlopen(url, timeout=10) as answer:
-                if 'capability="xid_events"} 1' in answer.read().decode():
-                    break
+            try:
+                with urllib.request.urlopen(url, timeout=10) as answer:
+                    if 'capability="xid_events"} 1' in answer.read().decode():
+                        break
+            except urllib.error.HTTPError as error:
+                # listening before its first sample: "no sample taken yet; retry in a second"
+                if error.code != 503:
+                    raise
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
         write_state(self.fault_state, {**state, "gpu1.xid": str(XID)})
