@@ -194,6 +194,18 @@ def make_controller(
     )
 
 
+def acting_args(analyzer_url: str, socket_path: Path, tmp_path: Path, port: int) -> list[str]:
+    """`gpubalance controller` acting on HAProxy's socket every 0.1 s, listening on ``port``,
+    with the test token (written to tmp_path/token) and the audit log tmp_path/audit.jsonl."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    return [
+        *("--analyzer", analyzer_url, "--haproxy-socket", str(socket_path), "--act"),
+        *("--listen", f"127.0.0.1:{port}", "--token-file", str(token)),
+        *("--audit-log", str(tmp_path / "audit.jsonl"), "--interval", "0.1"),
+    ]
+
+
 async def start_command(*args: str, env: Mapping[str, str] = {}) -> asyncio.subprocess.Process:
     """`gpubalance controller ARGS` with ``env`` over this process's environment."""
     return await asyncio.create_subprocess_exec(

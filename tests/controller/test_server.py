@@ -20,6 +20,7 @@ from controller_harness import (
     TOKEN,
     Analyzer,
     Backends,
+    acting_args,
     free_port,
     haproxy_installed,
     haproxy_over,
@@ -240,24 +241,9 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                 analyzer.recommendations = [
                     recommendation("r1", "set_weights", "be", {"weights": {"s1": 60}})
                 ]
-                token = tmp_path / "token"
-                token.write_text(TOKEN + "\n")
                 port = free_port()
-                process = await start_command(
-                    "--analyzer",
-                    analyzer.url,
-                    "--haproxy-socket",
-                    str(config.socket_path),
-                    "--act",
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--token-file",
-                    str(token),
-                    "--audit-log",
-                    str(tmp_path / "audit.jsonl"),
-                    "--interval",
-                    "0.1",
-                )
+                args = acting_args(analyzer.url, config.socket_path, tmp_path, port)
+                process = await start_command(*args)
                 try:
                     # the default dwell (2 passes) and step (32): 100 -> 68 -> 60
                     async with asyncio.timeout(30):

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 from controller_harness import (
-    TOKEN,
     Analyzer,
     Backends,
+    acting_args,
     free_port,
     haproxy_over,
     make_controller,
@@ -175,29 +175,13 @@ def test_the_controller_command_sends_its_decisions_over_otlp(tmp_path: Path) ->
                 analyzer.recommendations = [
                     recommendation("r1", "set_weights", "be", {"weights": {"s1": 60}})
                 ]
-                token = tmp_path / "token"
-                token.write_text(TOKEN + "\n")
                 env = {
                     "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",  # the base URL's /v1/traces
                     "OTEL_SERVICE_NAME": "controller-h1",
                 }
-                process = await start_command(
-                    "--analyzer",
-                    analyzer.url,
-                    "--haproxy-socket",
-                    str(config.socket_path),
-                    "--act",
-                    "--listen",
-                    f"127.0.0.1:{free_port()}",
-                    "--token-file",
-                    str(token),
-                    "--audit-log",
-                    str(tmp_path / "audit.jsonl"),
-                    "--interval",
-                    "0.1",
-                    env=env,
-                )
+                args = acting_args(analyzer.url, config.socket_path, tmp_path, free_port())
+                process = await start_command(*args, env=env)
                 try:
                     async with asyncio.timeout(30):
                         while not analyzer.acks_of("r1"):
