@@ -14,7 +14,8 @@ count. A drain, maint, ready or move changes its server; a re-weighting keeps ev
 serving and moves traffic, not capacity, so a server re-weighted within the period counts
 only when its weight went to or from 0, or its share of its backend's weight moved by more
 than `breaker_weight_share` since the period's first change (the weights before are in the
-history).
+history); a pass's re-weightings of one backend are judged together, by the shares once all
+of them are made, not half-way through.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def guard(
     ) -> None:
         refusals.append(Refusal(change.recommendation_id, reason, detail, ack, change.key))
 
-    for change in changes:
+    for i, change in enumerate(changes):
         rec_id = change.recommendation_id
         before = last.get(change.key)
         if paused:
@@ -121,7 +122,8 @@ def guard(
                 ack="rejected",
             )
         elif (
-            len(grown := _changed_with(change, recent, servers, now, settings)) > len(changed)
+            len(grown := _changed_with(change, changes[i + 1 :], recent, servers, now, settings))
+            > len(changed)
             and len(grown) / max(len(servers), 1) > settings.breaker_share
         ):
             tripped = (
@@ -143,14 +145,25 @@ def guard(
 
 def _changed_with(
     change: Change,
+    ahead: Sequence[Change],
     recent: Sequence[Applied],
     servers: Mapping[str, ObservedServer],
     now: float,
     settings: Settings,
 ) -> set[str]:
-    """The servers changed within the breaker's period were ``change`` applied too."""
-    after = {**servers, change.key: _after(servers[change.key], change)}
-    return _changed([*recent, change.applied(now)], after, settings.breaker_weight_share)
+    """The servers changed within the breaker's period were ``change`` applied too. A
+    re-weighting is judged with the pass's other re-weightings of its backend still `ahead`:
+    the backend's weights change together, and the shares half-way through a pass (one
+    server's weight raised, its peers' not yet) are not a state HAProxy routes by for long."""
+    batch = [change]
+    if change.kind == "set_weight":
+        batch += [c for c in ahead if c.kind == "set_weight" and c.backend == change.backend]
+    after = dict(servers)
+    for c in batch:
+        after[c.key] = _after(after[c.key], c)
+    return _changed(
+        [*recent, *(c.applied(now) for c in batch)], after, settings.breaker_weight_share
+    )
 
 
 def _changed(

@@ -6,7 +6,9 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
 - `set_weights`: as the analyzer makes it, target a pool (`pool:NAME`) and
   `parameters["weights"]` a list of `{gpu, worker, weight}`, each worker's share of the pool's
   work: the workers are the backend's servers of those names, and the shares become weights
-  in proportion, the largest `SHARE_WEIGHT`; or target a backend (`be_gpu`) with
+  in proportion, the largest `SHARE_WEIGHT` (where they name all of the backend's servers,
+  at the scale the step reaches soonest, and none where HAProxy's weights are within
+  `SHARE_TOLERANCE` of the shares already); or target a backend (`be_gpu`) with
   `parameters["weights"]` mapping its server names to weights 0..256. Each pass moves a weight
   by at most `Settings.max_weight_step`;
 - `drain`: target `backend/server`, or (the analyzer's) `gpu:N` with `parameters["workers"]`
@@ -28,6 +30,7 @@ met.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,8 +49,12 @@ from gpubalance.controller.model import (
 from gpubalance.diagnosis import Recommendation
 
 # the weight the largest share of a pool's work becomes (HAProxy's own default is 1; a
-# hundred leaves room to tell shares apart)
+# hundred leaves room to tell shares apart), unless a scale nearer the weights HAProxy has
+# gets there sooner
 SHARE_WEIGHT = 100
+# a backend's weights whose proportions are this close to the shares asked (of the pool's
+# traffic, per server) already route as asked
+SHARE_TOLERANCE = 0.02
 
 # the admin state each server action asks for
 _ADMIN_OF: Mapping[str, AdminState] = {
@@ -81,7 +88,7 @@ def plan(
             continue  # another host's controller acts on it
         refusal = _check(rec, now, settings)
         if refusal is None:
-            parsed = _wants(rec, observed)
+            parsed = _wants(rec, observed, settings.max_weight_step)
             if isinstance(parsed, Refusal):
                 refusal = parsed
             else:
@@ -164,12 +171,12 @@ def _check(rec: Recommendation, now: float, settings: Settings) -> Refusal | Non
     return None
 
 
-def _wants(rec: Recommendation, observed: Observed) -> list[_Want] | Refusal:
+def _wants(rec: Recommendation, observed: Observed, step: int) -> list[_Want] | Refusal:
     def refuse(reason: RefusalReason, detail: str) -> Refusal:
         return Refusal(rec.id, reason, detail, ack="rejected", target=rec.target)
 
     if rec.action == "set_weights" and isinstance(rec.parameters.get("weights"), list):
-        return _shares(rec, observed, refuse)
+        return _shares(rec, observed, step, refuse)
     if rec.action in _ADMIN_OF and "/" not in rec.target and "workers" in rec.parameters:
         servers = _servers_named(rec.parameters["workers"], observed)
         if isinstance(servers, str):
@@ -212,7 +219,9 @@ def _wants(rec: Recommendation, observed: Observed) -> list[_Want] | Refusal:
 
 
 def _servers_named(workers: object, observed: Observed) -> list[ObservedServer] | str:
-    """The servers named as the analyzer's workers, all in one backend; else why not."""
+    """The servers named as the analyzer's workers, all in one backend, or each in the same
+    backends at one address (a share pool's tenant backends: the worker behind each); else
+    why not."""
     if not isinstance(workers, list) or not workers:
         return "names no worker (the telemetry did not say which serves it)"
     if not all(isinstance(w, str) for w in workers):
@@ -220,17 +229,20 @@ def _servers_named(workers: object, observed: Observed) -> list[ObservedServer] 
     found: list[ObservedServer] = []
     for name in workers:
         matches = [s for s in observed.servers.values() if s.server == name]
-        if len(matches) != 1:
-            where = "no backend" if not matches else f"{len(matches)} backends"
+        if len({(s.address, s.port) for s in matches}) != 1:
+            where = "no backend" if not matches else f"{len(matches)} backends, at two addresses"
             return f"worker {name!r} is a server of {where} HAProxy shows"
-        found.append(matches[0])
-    if len({s.backend for s in found}) > 1:
+        found += matches
+    if len({frozenset(s.backend for s in found if s.server == w) for w in workers}) > 1:
         return f"workers {workers!r} are servers of more than one backend"
     return found
 
 
 def _shares(
-    rec: Recommendation, observed: Observed, refuse: Callable[[RefusalReason, str], Refusal]
+    rec: Recommendation,
+    observed: Observed,
+    step: int,
+    refuse: Callable[[RefusalReason, str], Refusal],
 ) -> list[_Want] | Refusal:
     """The analyzer's set_weights: each worker's share of the pool, as weights in proportion."""
     weights = rec.parameters["weights"]
@@ -249,13 +261,55 @@ def _shares(
     servers = _servers_named(list(shares), observed)
     if isinstance(servers, str):
         return refuse("unknown_target", f"set_weights of {rec.target}: {servers}")
-    largest = max(shares.values())
-    if largest <= 0:
+    if max(shares.values()) <= 0:
         return refuse("bad_parameters", f"set_weights of {rec.target} gives every worker 0")
-    return [
-        _Want(server, "weight", round(SHARE_WEIGHT * shares[server.server] / largest))
-        for server in servers
-    ]
+    current = {s.server: s.weight for s in servers}
+    if {s.server for s in observed.pool(servers[0].backend)} == set(current):
+        # the whole backend: only the proportions route, and any scale of them will do
+        weights = _proportional(shares, current, step)
+    else:
+        weights = _scaled(shares, SHARE_WEIGHT)
+    return [_Want(server, "weight", weights[server.server]) for server in servers]
+
+
+def _scaled(shares: Mapping[str, float], scale: int) -> dict[str, int]:
+    """The shares as weights, the largest `scale` (a share above 0 at least 1)."""
+    largest = max(shares.values())
+    return {k: max(round(scale * v / largest), 1 if v > 0 else 0) for k, v in shares.items()}
+
+
+def _share_error(weights: Mapping[str, int], shares: Mapping[str, float]) -> float:
+    """The largest difference between a server's share of the weights and the one asked."""
+    total, asked = sum(weights.values()), sum(shares.values())
+    if total <= 0:
+        return math.inf
+    return max(abs(weights[k] / total - shares[k] / asked) for k in shares)
+
+
+def _proportional(
+    shares: Mapping[str, float], current: Mapping[str, int], step: int
+) -> dict[str, int]:
+    """Weights in the proportions of `shares` that the fewest passes of `step` reach from
+    `current`: the current ones where their proportions are within `SHARE_TOLERANCE` already
+    (the analyzer's shares are estimates: a point's difference is noise, not a change to make),
+    else the scale, among those that place the shares as closely as the largest weight
+    `SHARE_WEIGHT` would, reached soonest (and of those, nearest `SHARE_WEIGHT`). A ramp of
+    weights from 10/1/1/1 to even shares is then 33/33/33/33 in one pass, not four passes of
+    the step to 100/100/100/100 whose later three hardly change the routing."""
+    if _share_error(current, shares) <= SHARE_TOLERANCE:
+        return dict(current)
+    bound = max(SHARE_TOLERANCE, _share_error(_scaled(shares, SHARE_WEIGHT), shares))
+    best: tuple[tuple[int, int], dict[str, int]] | None = None
+    for scale in range(1, MAX_WEIGHT + 1):
+        weights = _scaled(shares, scale)
+        if max(weights.values()) > MAX_WEIGHT or _share_error(weights, shares) > bound:
+            continue
+        passes = max(math.ceil(abs(weights[k] - current[k]) / step) for k in weights)
+        key = (passes, abs(scale - SHARE_WEIGHT))
+        if best is None or key < best[0]:
+            best = (key, weights)
+    assert best is not None  # SHARE_WEIGHT itself is within the bound
+    return best[1]
 
 
 def _contradictory(wants: Mapping[str, list[_Want]]) -> dict[str, list[str]]:
@@ -376,6 +430,15 @@ def _move(
             )
         to = servers[0].backend
         rec = replace(rec, parameters={**rec.parameters, "to": to})
+    for named in ("workers", "to_workers"):
+        servers = _servers_named(rec.parameters.get(named), observed)
+        if not isinstance(servers, str) and len({s.backend for s in servers}) > 1:
+            return refuse(
+                "unsupported_action",
+                f"move_worker: {named} {rec.parameters[named]!r} serve the tenant backends "
+                f"{', '.join(sorted({s.backend for s in servers}))}, and a move changes one "
+                "backend; change the pool's servers in the config and render it again",
+            )
     gpu = rec.parameters.get("gpu")
     frozen = [
         a.at_seconds

@@ -388,6 +388,22 @@ def test_a_reweighting_that_keeps_every_server_serving_does_not_trip_the_breaker
     assert run_guard(more, ramped, history)[0] == ["be/s1", "be/s2", "be/s3"]
 
 
+def test_a_passs_reweighting_of_a_backend_is_judged_by_the_breaker_as_one() -> None:
+    # the default target, all four to even weights at once: half-way through the pass (s0
+    # and s1 at 33, s2 and s3 still at 1) s1 and s2 would each hold a quarter more of the
+    # pool than before; once the pass is done only s0's share moved much (77 % to 25 %)
+    skewed = observed(server("s0", weight=10), *(server(f"s{i}", weight=1) for i in (1, 2, 3)))
+    even = [weight("be/s0", 33, 10), *(weight(f"be/s{i}", 33, 1) for i in (1, 2, 3))]
+    assert run_guard(even, skewed) == (["be/s0", "be/s1", "be/s2", "be/s3"], [], False)
+    # judged as one, the pass still counts what it does move: s0's share, which with three
+    # servers of another backend drained within the window makes four of seven changed
+    drained = [Applied(NOW - 60, f"other/s{i}", "x", "drain") for i in (7, 8, 9)]
+    others = (server(f"s{i}", "other", admin="drain") for i in (7, 8, 9))
+    seven = observed(*skewed.servers.values(), *others)
+    allowed, _, tripped = run_guard(even, seven, drained)
+    assert allowed == [] and tripped
+
+
 def test_the_breaker_counts_a_reweighting_that_moves_much_of_a_pools_traffic() -> None:
     history = [Applied(NOW - 100, "be/s0", "x", "drain")]
     # s1 from a quarter of the pool's weight to 46 %: not yet counted (the drained s0 is)
@@ -430,6 +446,61 @@ def test_the_analyzers_shares_become_weights_of_the_servers_its_workers_name() -
     # in proportion, the largest share 100
     assert {(c.server, c.value) for c in result.changes} == {("w0", 33)}
     assert plan(apply(state, result.changes), wanted, (), settings).converged == ("r",)
+
+
+def test_the_analyzers_shares_are_reached_in_the_fewest_passes_of_the_step() -> None:
+    # the default target at 10/1/1/1; even shares asked: 33 each is one pass of the step of
+    # 32, where a largest weight of 100 would take four (the last three hardly moving traffic)
+    skewed = observed(server("w0", weight=10), *(server(f"w{i}", weight=1) for i in (1, 2, 3)))
+    even = [{"gpu": g, "worker": f"w{g}", "weight": 0.25} for g in range(4)]
+    wanted = [rec("r", "set_weights", "pool:llama", {"pool": "llama", "weights": even})]
+    result = plan(skewed, wanted, (), SETTINGS)
+    assert {(c.server, c.value) for c in result.changes} == {(f"w{i}", 33) for i in range(4)}
+    assert plan(apply(skewed, result.changes), wanted, (), SETTINGS).converged == ("r",)
+    # shares within two points of what HAProxy routes by already are met: no change
+    near = [
+        {"gpu": g, "worker": f"w{g}", "weight": share}
+        for g, share in enumerate((0.26, 0.25, 0.25, 0.24))
+    ]
+    again = [rec("r2", "set_weights", "pool:llama", {"pool": "llama", "weights": near})]
+    assert plan(apply(skewed, result.changes), again, (), SETTINGS).converged == ("r2",)
+    # a recommendation naming some of a backend's servers: the largest share 100, as the
+    # others' weights are relative to it
+    five = observed(*(server(f"w{i}", weight=10) for i in range(4)), server("w4", weight=100))
+    part = plan(five, wanted, (), SETTINGS)
+    assert {(c.server, c.value) for c in part.changes} == {(f"w{i}", 42) for i in range(4)}
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_generated_shares_are_reached_one_way_and_then_met(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    n = rng.randint(1, 6)
+    state = observed(*(server(f"w{i}", weight=rng.randint(1, 256)) for i in range(n)))
+    shares = [rng.choice([0.0, *(rng.random() for _ in range(4))]) for _ in range(n)]
+    if not any(shares):
+        shares[0] = 1.0
+    weights = [
+        {"gpu": i, "worker": f"w{i}", "weight": v / sum(shares)} for i, v in enumerate(shares)
+    ]
+    wanted = [rec("r", "set_weights", "pool:p", {"pool": "p", "weights": weights})]
+    direction: dict[str, int] = {}
+    bound = math.ceil(256 / SETTINGS.max_weight_step) + 1
+    for _ in range(bound):
+        result = plan(state, wanted, (), SETTINGS)
+        assert result.refusals == ()
+        if not result.changes:
+            break
+        for c in result.changes:
+            sign = 1 if c.value > c.before else -1  # type: ignore[operator]
+            assert direction.setdefault(c.key, sign) == sign, "weight reversed"
+        state = apply(state, result.changes)
+    else:
+        pytest.fail(f"no convergence within {bound} passes")
+    assert plan(state, wanted, (), SETTINGS).converged == ("r",)
+    total = sum(s.weight for s in state.servers.values())
+    for i, v in enumerate(shares):
+        # as close as the largest weight 100 would place them, or two points
+        assert abs(state.servers[f"be/w{i}"].weight / total - v / sum(shares)) <= 0.02 + 0.01
 
 
 def test_the_analyzers_drain_of_a_gpu_drains_the_servers_of_its_workers() -> None:
