@@ -554,7 +554,8 @@ class _Pool:
             "cores for preprocessing, or less work per request on the host",
             "io_bound": "the host waits on its disk: faster storage, caching of what each "
             "request reads, or fewer readers",
-            "memory_pressure": "KV allocations fail: a smaller maximum batch, a larger KV "
+            "memory_pressure": "its KV region limits its batches (allocations fail, or a "
+            "full batch of its requests would not fit): a smaller maximum batch, a larger KV "
             "region, or shorter contexts",
             "throttling": "its clock is held down: cooling, power limit or the board's "
             "slowdown reason",
