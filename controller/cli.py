@@ -239,12 +239,11 @@ async def serve(
         audit, metrics = AuditLog(args.audit_log), Metrics()
         mover = None
         if workers is not None:
-            from gpubalance.controller.supervisor import Supervisor
+            from gpubalance.controller.worker_backends import supervisor_for
 
             runtime = RuntimeApiActuator(api)
-            mover = Mover(
-                Supervisor(workers), runtime, audit, metrics, settings, session, tracing.tracer
-            )
+            supervisor = supervisor_for(workers)
+            mover = Mover(supervisor, runtime, audit, metrics, settings, session, tracing.tracer)
         controller = Controller(
             api,
             actuator,

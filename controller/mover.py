@@ -44,10 +44,10 @@ from gpubalance.controller.move import (
 )
 from gpubalance.controller.runtime_actuator import RuntimeApiActuator
 from gpubalance.controller.supervisor import (
-    Supervisor,
     SupervisorError,
     WorkerProcess,
     WorkersConfig,
+    WorkerSupervisor,
 )
 from gpubalance.diagnosis import AckStatus, Recommendation
 
@@ -79,7 +79,7 @@ class MovePass:
 class Mover:
     def __init__(
         self,
-        supervisor: Supervisor,
+        supervisor: WorkerSupervisor,  # which backend runs the workers: worker_backends
         haproxy: RuntimeApiActuator,
         audit: AuditLog,
         metrics: Metrics,

@@ -1,10 +1,16 @@
 """The worker supervisor: starts, stops and observes one serving worker process per GPU.
 
-A worker is started from the command template in the controller's config (`controller.workers`
-in the config file), its placeholders `{gpu}`, `{port}`, `{pool}` and `{host}` filled in, with
-`CUDA_VISIBLE_DEVICES` set to its GPU (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA counts the cards
-as NVML and the exporter do). It runs in a session of its own, so it outlives a controller that
-is killed, and is stopped as a process group (a serving stack's own children with it).
+`WorkerSupervisor` is what the mover needs of one; `controller.workers.backend` chooses which
+runs the workers (`worker_backends.supervisor_for`): this module's `Supervisor` (`process`, the
+default), systemd template units (`systemd_supervisor`) or Kubernetes manifests written for a
+person to apply (`kubernetes_supervisor`, dry-run). The configuration of all three is here.
+
+With the `process` backend a worker is started from the command template in the
+controller's config (`controller.workers` in the config file), its placeholders `{gpu}`,
+`{port}`, `{pool}` and `{host}` filled in, with `CUDA_VISIBLE_DEVICES` set to its GPU
+(`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA counts the cards as NVML and the exporter do). It runs
+in a session of its own, so it outlives a controller that is killed, and is stopped as a
+process group (a serving stack's own children with it).
 
 Nothing about the workers is remembered: each `observe` finds them in /proc by the environment
 they were started with (`GPUBALANCE_SUPERVISOR`, `GPUBALANCE_GPU`, `GPUBALANCE_POOL`,
@@ -17,15 +23,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal, Protocol
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpubalance.controller.haproxy import check_name
 
@@ -39,12 +48,73 @@ class SupervisorError(RuntimeError):
     """A worker could not be started or stopped; the message says why."""
 
 
+# a Kubernetes object's name (RFC 1123 subdomain) and a namespace's (RFC 1123 label)
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+class SystemdSettings(BaseModel):
+    """`controller.workers.systemd`: the template unit a GPU's worker runs as (backend systemd;
+    deploy/systemd/gpubalance-worker@.service)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    unit: str = "gpubalance-worker@"  # the template; its instance is the GPU index
+    # where the supervisor writes each GPU's pool and port, as the unit's EnvironmentFile= reads
+    environment_dir: Path = Path("/var/lib/gpubalance/workers")
+    systemctl: str = "systemctl"
+    journalctl: str = "journalctl"
+
+    @field_validator("unit")
+    @classmethod
+    def _template(cls, unit: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9:_.\-]+@", unit):
+            raise ValueError(
+                f"{unit!r} must be a template unit's name up to its @ (gpubalance-worker@)"
+            )
+        return unit
+
+
+class KubernetesSettings(BaseModel):
+    """`controller.workers.kubernetes`: the Pods the dry-run backend writes, one per GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: str  # the node whose GPUs `gpus` are (spec.nodeName)
+    image: str  # the serving image; the container runs `command`
+    namespace: str = "gpubalance"
+    # where the manifests go, in order (default: state_dir/kubernetes)
+    out_dir: Path | None = None
+    # the pool each GPU's Pod serves before the first move (the Pods written first)
+    serving: dict[int, str] = Field(default_factory=dict)
+    # a written start is reported ready this long after it (nothing is observed)
+    ready_after_seconds: float = Field(default=30.0, ge=0)
+    gpu_resource: str = "nvidia.com/gpu"  # one of it per Pod
+
+    @field_validator("node", "namespace")
+    @classmethod
+    def _dns(cls, name: str) -> str:
+        if not _DNS_LABEL.fullmatch(name):
+            raise ValueError(f"{name!r} must be lower-case letters, digits and '-' (a DNS label)")
+        return name
+
+    @field_validator("serving")
+    @classmethod
+    def _pools(cls, serving: dict[int, str]) -> dict[int, str]:
+        for pool in serving.values():
+            check_name("pool", pool)
+        return serving
+
+
 class WorkersConfig(BaseModel):
     """`controller.workers` in the config file: how the supervisor runs a GPU's worker."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    command: tuple[str, ...] = Field(min_length=1)  # with {gpu} {port} {pool} {host}
+    # process: started here; systemd: template units; kubernetes: manifests written (dry-run)
+    backend: Literal["process", "systemd", "kubernetes"] = "process"
+    # with {gpu} {port} {pool} {host}; systemd's is the unit's ExecStart instead
+    command: tuple[str, ...] | None = Field(default=None, min_length=1)
     gpus: tuple[int, ...] = Field(min_length=1)  # the GPUs whose workers it manages
     instance: str = "gpubalance"  # tells this controller's workers from another's
     host: str = "127.0.0.1"  # where the workers listen, and HAProxy reaches them
@@ -57,10 +127,14 @@ class WorkersConfig(BaseModel):
     # outgoing connection on the host holds the port between its choice and the worker's bind
     ports: tuple[int, int] = (20000, 20999)
     state_dir: Path = Path("gpubalance-controller")  # the move's intent record, worker logs
+    systemd: SystemdSettings = SystemdSettings()
+    kubernetes: KubernetesSettings | None = None
 
     @field_validator("command")
     @classmethod
-    def _placeholders(cls, command: tuple[str, ...]) -> tuple[str, ...]:
+    def _placeholders(cls, command: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if command is None:
+            return None
         for word in command:
             try:
                 word.format(**dict.fromkeys(_PLACEHOLDERS, ""))
@@ -99,8 +173,46 @@ class WorkersConfig(BaseModel):
         check_name("instance", instance)
         return instance
 
+    @model_validator(mode="after")
+    def _backend(self) -> WorkersConfig:
+        backend = self.backend
+        if backend == "systemd" and self.command is not None:
+            raise ValueError(
+                "command: with backend systemd the worker's command is its unit's ExecStart "
+                "(a drop-in, see deploy/systemd/README.md); leave command out"
+            )
+        if backend != "systemd" and self.command is None:
+            raise ValueError(f"command: backend {backend} starts each worker from it; set it")
+        for name, default in (("systemd", SystemdSettings()), ("kubernetes", None)):
+            if getattr(self, name) != default and backend != name:
+                raise ValueError(f"{name}: set, but backend is {backend}; set backend: {name}")
+        if backend == "kubernetes":
+            if self.kubernetes is None:
+                raise ValueError("kubernetes: backend kubernetes needs kubernetes.node and .image")
+            if not _DNS_SUBDOMAIN.fullmatch(f"{self.instance}-gpu0"):
+                raise ValueError(
+                    f"instance: {self.instance!r} names the Pods (<instance>-gpu<N>): lower-case "
+                    "letters, digits and '-'"
+                )
+            if self.kubernetes.ready_after_seconds >= self.ready_timeout_seconds:
+                raise ValueError(
+                    "kubernetes.ready_after_seconds must be below ready_timeout_seconds, or "
+                    "every dry-run start would time out"
+                )
+            unknown = sorted(set(self.kubernetes.serving) - set(self.gpus))
+            if unknown:
+                raise ValueError(f"kubernetes.serving: GPUs {unknown} are not among gpus")
+        return self
+
     def server_of(self, gpu: int) -> str:
         return self.server_name.replace("{gpu}", str(gpu))
+
+    def argv(self, gpu: int, port: int, pool: str) -> list[str]:
+        """The worker's command, its placeholders filled in (backends process, kubernetes)."""
+        if self.command is None:
+            raise SupervisorError(f"backend {self.backend} has no worker command")
+        values = {"gpu": gpu, "port": port, "pool": pool, "host": self.host}
+        return [word.format(**values) for word in self.command]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +226,94 @@ class WorkerProcess:
     port: int
     started_seconds: float  # Unix time it was started
     ready: bool  # its health check answered 200
+
+
+class WorkerSupervisor(Protocol):
+    """What the mover needs of a worker supervisor, whichever backend runs the workers."""
+
+    config: WorkersConfig
+
+    async def observe(self, session: aiohttp.ClientSession) -> dict[int, WorkerProcess]:
+        """GPU -> its worker now, asked whether it is ready; nothing remembered."""
+        ...
+
+    def start(self, gpu: int, pool: str) -> WorkerProcess:
+        """Start the worker of `pool` on `gpu`; it is ready once `observe` says so."""
+        ...
+
+    def signal(self, worker: WorkerProcess, signum: int) -> None:
+        """SIGTERM: stop it; SIGKILL: kill it. Gone already is fine."""
+        ...
+
+    def last_words(self, gpu: int) -> str:
+        """'; ... ends: LINE', what the GPU's worker said last, or ''."""
+        ...
+
+
+async def asked(
+    session: aiohttp.ClientSession, config: WorkersConfig, workers: Iterable[WorkerProcess]
+) -> dict[int, WorkerProcess]:
+    """GPU -> its worker, each asked its health check (in parallel, bounded)."""
+
+    async def ready(worker: WorkerProcess) -> WorkerProcess:
+        url = f"http://{worker.host}:{worker.port}{config.health_path}"
+        timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_SECONDS)
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with session.get(url, timeout=timeout) as resp:
+                return replace(worker, ready=resp.status == 200)
+        return worker
+
+    found = await asyncio.gather(*(ready(w) for w in workers))
+    by_gpu: dict[int, WorkerProcess] = {}
+    for worker in sorted(found, key=lambda w: w.started_seconds):
+        by_gpu[worker.gpu] = worker  # two on one GPU: the later one is what a move made
+    return by_gpu
+
+
+def free_port(config: WorkersConfig, taken: set[int], *, probe: bool = True) -> int:
+    """The first port of `ports` not in `taken` that nothing else holds (with `probe`: bound
+    here to see; the workers of a node the controller is not on are not probed)."""
+    first, last = config.ports
+    for port in range(first, last + 1):
+        if port not in taken and (not probe or _bindable(config.host, port)):
+            return port
+    raise SupervisorError(
+        f"no free port in {first}..{last} on {config.host} for a worker; widen "
+        "controller.workers.ports"
+    )
+
+
+async def wait_ready(
+    supervisor: WorkerSupervisor,
+    session: aiohttp.ClientSession,
+    gpu: int,
+    timeout_seconds: float | None = None,
+) -> WorkerProcess:
+    """The GPU's worker once its health check answers; SupervisorError when it exits or the
+    time (`ready_timeout_seconds` by default) runs out first."""
+    config = supervisor.config
+    limit = config.ready_timeout_seconds if timeout_seconds is None else timeout_seconds
+    deadline = time.monotonic() + limit
+    while True:
+        worker = (await supervisor.observe(session)).get(gpu)
+        if worker is None:
+            raise SupervisorError(
+                f"the worker of GPU {gpu} exited during start-up{supervisor.last_words(gpu)}"
+            )
+        if worker.ready:
+            return worker
+        if time.monotonic() > deadline:
+            raise SupervisorError(f"the worker of GPU {gpu} was not ready within {limit} s")
+        await asyncio.sleep(0.05)
+
+
+def last_said(lines: Iterable[str]) -> str | None:
+    """The last line of a worker's output that says something (a traceback's last line names
+    the error), cut to 300 characters; None when there is none."""
+    said = [line.strip() for line in lines if line.strip()]
+    if not said:
+        return None
+    return said[-1] if len(said[-1]) <= 300 else said[-1][:297] + "..."
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -188,30 +388,18 @@ class Supervisor:
 
     async def observe(self, session: aiohttp.ClientSession) -> dict[int, WorkerProcess]:
         """GPU -> its worker, each asked its health check (in parallel, bounded)."""
-        workers = await asyncio.to_thread(self.processes)
-
-        async def ready(worker: WorkerProcess) -> WorkerProcess:
-            url = f"http://{worker.host}:{worker.port}{self.config.health_path}"
-            timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_SECONDS)
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                async with session.get(url, timeout=timeout) as resp:
-                    return replace(worker, ready=resp.status == 200)
-            return worker
-
-        found = await asyncio.gather(*(ready(w) for w in workers))
-        by_gpu: dict[int, WorkerProcess] = {}
-        for worker in sorted(found, key=lambda w: w.started_seconds):
-            by_gpu[worker.gpu] = worker  # two on one GPU: the later one is what a move made
-        return by_gpu
+        return await asked(session, self.config, await asyncio.to_thread(self.processes))
 
     def start(self, gpu: int, pool: str) -> WorkerProcess:
         """Start the worker of `pool` on `gpu`; it is ready once `observe` says so."""
         if gpu not in self.config.gpus:
             raise SupervisorError(f"GPU {gpu} is not among the managed GPUs {self.config.gpus}")
         check_name("pool", pool)
-        port = self._free_port()
-        values = {"gpu": gpu, "port": port, "pool": pool, "host": self.config.host}
-        argv = [word.format(**values) for word in self.config.command]
+        # and the ports of workers started here that /proc may not show as ours yet: a worker
+        # binds its port only once loaded, so another start must not be given it meanwhile
+        taken = {w.port for w in self.processes()} | set(self._children.values())
+        port = free_port(self.config, taken)
+        argv = self.config.argv(gpu, port, pool)
         started = time.time()
         env = {
             **os.environ,
@@ -240,39 +428,6 @@ class Supervisor:
         self._children[process] = port
         return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
 
-    def _free_port(self) -> int:
-        """The first port of `ports` that no worker of ours has and nothing else holds."""
-        # and the ports of workers started here that /proc may not show as ours yet: a worker
-        # binds its port only once loaded, so another start must not be given it meanwhile
-        taken = {w.port for w in self.processes()} | set(self._children.values())
-        first, last = self.config.ports
-        for port in range(first, last + 1):
-            if port not in taken and _bindable(self.config.host, port):
-                return port
-        raise SupervisorError(
-            f"no free port in {first}..{last} on {self.config.host} for a worker; widen "
-            "controller.workers.ports"
-        )
-
-    async def wait_ready(
-        self, session: aiohttp.ClientSession, gpu: int, timeout_seconds: float | None = None
-    ) -> WorkerProcess:
-        """The GPU's worker once its health check answers; SupervisorError when it exits or
-        the time (`ready_timeout_seconds` by default) runs out first."""
-        limit = self.config.ready_timeout_seconds if timeout_seconds is None else timeout_seconds
-        deadline = time.monotonic() + limit
-        while True:
-            worker = (await self.observe(session)).get(gpu)
-            if worker is None:
-                raise SupervisorError(
-                    f"the worker of GPU {gpu} exited during start-up{self.last_words(gpu)}"
-                )
-            if worker.ready:
-                return worker
-            if time.monotonic() > deadline:
-                raise SupervisorError(f"the worker of GPU {gpu} was not ready within {limit} s")
-            await asyncio.sleep(0.05)
-
     def log_path(self, gpu: int) -> Path:
         return self.config.state_dir / "logs" / f"gpu{gpu}.log"
 
@@ -286,11 +441,8 @@ class Supervisor:
                 lines = log.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
-        said = [line.strip() for line in lines if line.strip()]
-        if not said:
-            return ""
-        last = said[-1] if len(said[-1]) <= 300 else said[-1][:297] + "..."
-        return f"; its log ({path}) ends: {last}"
+        last = last_said(lines)
+        return "" if last is None else f"; its log ({path}) ends: {last}"
 
     def signal(self, worker: WorkerProcess, signum: int) -> None:
         """Signal the worker's process group (its own children too); gone already is fine."""

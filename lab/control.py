@@ -374,7 +374,7 @@ def closed_loop(
     mover = None
     if moves:
         mover = Mover(
-            LabSupervisor(run, audit_path.parent / "moves"),  # type: ignore[arg-type]
+            LabSupervisor(run, audit_path.parent / "moves"),
             actuator,  # type: ignore[arg-type]  # RuntimeApiActuator's server commands
             audit,
             metrics,

@@ -36,7 +36,8 @@ from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Settings
 from gpubalance.controller.mover import Mover
 from gpubalance.controller.runtime_actuator import RuntimeApiActuator
-from gpubalance.controller.supervisor import MARK, Supervisor, WorkersConfig
+from gpubalance.controller.supervisor import MARK, WorkersConfig, WorkerSupervisor, wait_ready
+from gpubalance.controller.worker_backends import supervisor_for
 from gpubalance.diagnosis import Recommendation
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
@@ -327,7 +328,7 @@ class Pools:
     """Workers on GPUs 0 and 1 serving be_a, on GPU 2 serving be_b, behind a real HAProxy that
     routes `X-Class: a` and `b` to them; the workers are the supervisor's, servers `gpu{N}`."""
 
-    supervisor: Supervisor
+    supervisor: WorkerSupervisor
     haproxy: HaproxyProcess
     config: HaproxyConfig
 
@@ -363,10 +364,10 @@ PLACEMENT = {0: "be_a", 1: "be_a", 2: "be_b"}
 async def pools(
     run_dir: Path, workers: WorkersConfig, http: Any, placement: Mapping[int, str] = PLACEMENT
 ) -> AsyncIterator[Pools]:
-    supervisor = Supervisor(workers)
+    supervisor = supervisor_for(workers)
     started = [supervisor.start(gpu, pool) for gpu, pool in placement.items()]
     try:
-        ready = [await supervisor.wait_ready(http, w.gpu) for w in started]
+        ready = [await wait_ready(supervisor, http, w.gpu) for w in started]
         backends = tuple(
             Backend(
                 pool,
@@ -406,7 +407,7 @@ def make_mover_controller(
     metrics = Metrics()
     api = RuntimeApi(rig.config.socket_path, timeout_seconds=2.0)
     actuator = RuntimeApiActuator(api)
-    mover = Mover(Supervisor(rig.supervisor.config), actuator, audit, metrics, settings, http)
+    mover = Mover(supervisor_for(rig.supervisor.config), actuator, audit, metrics, settings, http)
     return Controller(
         api,
         actuator,

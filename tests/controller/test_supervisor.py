@@ -12,7 +12,12 @@ import pytest
 from controller_harness import kill_workers, workers_config
 from pydantic import ValidationError
 
-from gpubalance.controller.supervisor import Supervisor, SupervisorError, WorkersConfig
+from gpubalance.controller.supervisor import (
+    Supervisor,
+    SupervisorError,
+    WorkersConfig,
+    wait_ready,
+)
 
 
 async def _infer(http: aiohttp.ClientSession, port: int) -> dict[str, object]:
@@ -28,7 +33,7 @@ def test_a_started_worker_runs_on_its_gpu_once_loaded_and_stops(tmp_path: Path) 
         async with aiohttp.ClientSession() as http:
             started = supervisor.start(1, "be_a")
             try:
-                ready = await supervisor.wait_ready(http, 1)
+                ready = await wait_ready(supervisor, http, 1)
                 assert (ready.pid, ready.port, ready.pool) == (
                     started.pid,
                     started.port,
@@ -67,7 +72,7 @@ def test_a_loading_worker_is_seen_but_not_ready(tmp_path: Path) -> None:
                 seen = (await supervisor.observe(http))[0]
                 assert seen.pool == "be_b" and not seen.ready
                 with pytest.raises(SupervisorError, match=r"not ready within 0\.2 s"):
-                    await supervisor.wait_ready(http, 0, timeout_seconds=0.2)
+                    await wait_ready(supervisor, http, 0, timeout_seconds=0.2)
             finally:
                 await supervisor.stop(started)
 
@@ -85,7 +90,7 @@ def test_a_worker_that_exits_while_loading_is_reported(tmp_path: Path) -> None:
                 match=r"GPU 2 exited during start-up; its log \(.*gpu2\.log\) ends: "
                 "the model of be_b does not fit on GPU 2$",
             ):
-                await supervisor.wait_ready(http, 2)
+                await wait_ready(supervisor, http, 2)
         with pytest.raises(SupervisorError, match="GPU 7 is not among"):
             supervisor.start(7, "be_a")
 

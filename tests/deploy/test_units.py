@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from deploy.kube import parse_args
 
+from gpubalance.controller.supervisor import SystemdSettings
 from gpubalance.exporter.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,3 +166,41 @@ def test_a_renamed_flag_is_refused() -> None:
     argv = _argv("gpubalance-exporter")
     with pytest.raises(AssertionError, match="refuses"):
         parse_args([word.replace("--config", "--config-file") for word in argv])
+
+
+WORKER = "gpubalance-worker@"
+
+
+def test_worker_template_with_its_drop_in_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (Debian package systemd)")
+    shutil.copy(UNITS / f"{WORKER}.service", tmp_path)
+    drop_in = UNITS / f"{WORKER}.service.d" / "serve.conf"
+    (tmp_path / f"{WORKER}.service.d").mkdir()
+    # the example's serving command, at a program that exists (systemd-analyze checks it)
+    text = drop_in.read_text().replace("/opt/serve/bin/serve", str(shutil.which("true")))
+    (tmp_path / f"{WORKER}.service.d" / "serve.conf").write_text(text)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(tmp_path / f"{WORKER}0.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+def test_worker_template_pins_its_gpu_and_reads_what_the_controller_writes() -> None:
+    service = _service(WORKER)
+    assert set(service["Environment"].split()) == {
+        "CUDA_VISIBLE_DEVICES=%i",
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+    }
+    # the controller's defaults name this unit and its environment file
+    settings = SystemdSettings()
+    assert settings.unit == WORKER
+    assert service["EnvironmentFile"] == f"{settings.environment_dir}/%i.env"
+    assert service["Restart"] == "no", "a worker that cannot load is the controller's to undo"
+    drop_in = configparser.ConfigParser(strict=False, interpolation=None)
+    drop_in.read(UNITS / f"{WORKER}.service.d" / "serve.conf")
+    command = drop_in["Service"]["ExecStart"].strip()  # the last one: the empty one clears
+    assert "${GPUBALANCE_POOL}" in command and "${GPUBALANCE_PORT}" in command
