@@ -75,6 +75,8 @@ class ServerStat:
     hrsp_5xx: int | None  # responses with a 5xx status (HAProxy's own 503 included)
     qtime_seconds: float | None  # mean queue wait over the last 1024 requests
     ttime_seconds: float | None  # mean total time over the last 1024 requests
+    # requests refused by an `http-request deny` (a backend's own rules, or its frontend's)
+    dreq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ def _parse_stat(text: str) -> list[ServerStat]:
                 hrsp_5xx=_int(row, "hrsp_5xx"),
                 qtime_seconds=_seconds(row, "qtime"),
                 ttime_seconds=_seconds(row, "ttime"),
+                dreq=_int(row, "dreq"),
             )
         )
     return stats

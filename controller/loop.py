@@ -31,6 +31,7 @@ from gpubalance.controller import tracing
 from gpubalance.controller.actuator import Actuator, ActuatorError
 from gpubalance.controller.analyzer_client import AnalyzerClient, AnalyzerError
 from gpubalance.controller.audit import AuditLog
+from gpubalance.controller.backpressure import backend_counts
 from gpubalance.controller.guard import HOUR_SECONDS, guard
 from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError
 from gpubalance.controller.metrics import Metrics
@@ -184,6 +185,7 @@ class Controller:
             )
             return self._source_failed("haproxy", now, unreadable)
         self.metrics.source_up.labels("haproxy").set(1)
+        self.metrics.backends(backend_counts(stats, self.settings.backends))
         try:
             recommendations = await self.analyzer.recommendations()
         except AnalyzerError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gpubalance.controller.backpressure import SHED_STATUSES, BackendCounts, shed
 from gpubalance.controller.model import REFUSAL_REASONS, Observed
 
 SOURCES = ("haproxy", "analyzer")
@@ -83,6 +84,22 @@ class Metrics:
             ["backend", "server"],
             registry=r,
         )
+        self.shed_requests = Counter(
+            "gpubalance_controller_shed_requests",
+            "Requests HAProxy answered itself instead of a worker, by backend and status: 429 "
+            "(an http-request deny, the pools' full queue: HAProxy's dreq), 503 (no serving "
+            "server, the queue timeout, no connection to a worker: the backend's hrsp_5xx less "
+            "its servers'); counted between passes, so HAProxy reloads do not lower it",
+            ["backend", "status"],
+            registry=r,
+        )
+        self.backend_queue = Gauge(
+            "gpubalance_controller_backend_queue",
+            "Requests waiting in the backend's queue (HAProxy's qcur) at the last pass",
+            ["backend"],
+            registry=r,
+        )
+        self._counts: dict[str, BackendCounts] = {}
         self.cycle_duration = Histogram(
             "gpubalance_controller_cycle_duration_seconds",
             "Time of one observe-plan-guard-act-record pass",
@@ -97,3 +114,14 @@ class Metrics:
         for server in observed.servers.values():
             self.server_weight.labels(server.backend, server.server).set(server.weight)
             self.server_serving.labels(server.backend, server.server).set(int(server.serving))
+
+    def backends(self, counts: dict[str, BackendCounts]) -> None:
+        """The queue gauges as HAProxy shows them now, and what it shed since the last pass."""
+        self.backend_queue.clear()
+        for backend, now in counts.items():
+            self.backend_queue.labels(backend).set(now.queue)
+            for status in SHED_STATUSES:
+                self.shed_requests.labels(backend, status)  # 0 from the first reading
+        for (backend, status), n in shed(self._counts, counts).items():
+            self.shed_requests.labels(backend, status).inc(n)
+        self._counts = counts

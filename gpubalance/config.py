@@ -22,7 +22,8 @@ Loc = tuple[str | int, ...]
 # the log line of every long-running command (exporter, analyzer, controller)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-SECTIONS = frozenset({"exporter", "lab", "analyzer", "controller"})
+# `haproxy` holds the pools `gpubalance deploy haproxy` renders (controller/pools.py)
+SECTIONS = frozenset({"exporter", "lab", "analyzer", "controller", "haproxy"})
 
 
 class ConfigError(Exception):

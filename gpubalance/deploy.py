@@ -1,4 +1,5 @@
-"""Deploy kit generators: the Kubernetes PrometheusRule of gpubalance's Prometheus rules files.
+"""Deploy kit generators: the Kubernetes PrometheusRule of gpubalance's Prometheus rules files,
+and the HAProxy frontends and backends of the pools in a config file.
 
 The rules are written once, as plain Prometheus rules files (deploy/prometheus/rules/*.yml, what
 promtool checks and tests); the prometheus-operator's PrometheusRule is made from them, so the
@@ -40,6 +41,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "release=kube-prometheus-stack (repeatable)",
     )
     rule.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
+    haproxy = sub.add_parser(
+        "haproxy",
+        help="HAProxy frontends and backends of the pools in a config file (pools as policies)",
+        description="Print the frontend and backends of each pool in the config file's haproxy "
+        "section: its policy (utilization_first, equal_share, fixed_share), tenant routing and "
+        "admission (429 or 503 with Retry-After). Load it beside your own global and defaults "
+        "sections: haproxy -f haproxy.cfg -f pools.cfg.",
+    )
+    haproxy.add_argument("--config", required=True, type=Path, metavar="FILE")
+    haproxy.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
+    haproxy.set_defaults(_run=_haproxy)
 
 
 def rule_groups(paths: Sequence[Path]) -> list[dict[str, Any]]:
@@ -129,14 +141,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpubalance deploy prometheusrule: {exc}", file=sys.stderr)
         return 2
     text = dump(document, " ".join(str(path) for path in args.rules))
-    if args.out is None:
+    return _write(text, args.out, "prometheusrule")
+
+
+def _haproxy(args: argparse.Namespace) -> int:
+    from gpubalance.controller.pools import load, render
+
+    try:
+        text = render(load(args.config), str(args.config))
+    except ConfigError as exc:
+        print(f"gpubalance deploy haproxy: {exc}", file=sys.stderr)
+        return 2
+    return _write(text, args.out, "haproxy")
+
+
+def _write(text: str, out: Path | None, command: str) -> int:
+    if out is None:
         sys.stdout.write(text)
         return 0
     try:
-        args.out.write_text(text)
+        out.write_text(text)
     except OSError as exc:
-        print(
-            f"gpubalance deploy prometheusrule: --out {args.out}: {exc.strerror}", file=sys.stderr
-        )
+        print(f"gpubalance deploy {command}: --out {out}: {exc.strerror}", file=sys.stderr)
         return 2
     return 0
