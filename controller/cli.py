@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpubalance.arguments import positive_int
+from gpubalance.controller.audit import KEEP, MAX_BYTES
 from gpubalance.controller.model import Settings
 
 if TYPE_CHECKING:
@@ -72,6 +74,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=Path("gpubalance-controller-audit.jsonl"),
         help="JSON lines, appended (default ./gpubalance-controller-audit.jsonl)",
+    )
+    parser.add_argument(
+        "--audit-log-max-bytes",
+        type=positive_int,
+        default=MAX_BYTES,
+        metavar="BYTES",
+        help=f"rotate the audit log past this size (default {MAX_BYTES})",
+    )
+    parser.add_argument(
+        "--audit-log-keep",
+        type=positive_int,
+        default=KEEP,
+        metavar="N",
+        help=f"rotated audit logs kept, PATH.1 the newest (default {KEEP})",
     )
     parser.add_argument(
         "--backend", action="append", metavar="NAME", help="a backend to manage (default: all)"
@@ -236,7 +252,10 @@ async def serve(
     if tracing.endpoint is not None:
         log.info("traces of the decisions go to %s (OTLP/HTTP)", tracing.endpoint)
     async with aiohttp.ClientSession() as session:
-        audit, metrics = AuditLog(args.audit_log), Metrics()
+        audit = AuditLog(
+            args.audit_log, max_bytes=args.audit_log_max_bytes, keep=args.audit_log_keep
+        )
+        metrics = Metrics()
         mover = None
         if workers is not None:
             from gpubalance.controller.worker_backends import supervisor_for

@@ -107,3 +107,16 @@ def test_across_a_rotation_the_memory_keeps_the_last_day_and_the_breakers_last_w
 def test_a_log_that_could_not_rotate_is_refused(tmp_path: Path, max_bytes: int, keep: int) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         AuditLog(tmp_path / "audit.jsonl", max_bytes=max_bytes, keep=keep)
+
+
+@pytest.mark.parametrize("flag", ["--audit-log-max-bytes", "--audit-log-keep"])
+def test_the_controllers_rotation_flags_take_a_count(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpubalance.cli import main
+
+    args = ["controller", "--analyzer", "http://127.0.0.1:9", "--haproxy-socket", "/nonexistent"]
+    with pytest.raises(SystemExit) as exited:
+        main([*args, flag, "0"])
+    assert exited.value.code == 2
+    assert f"{flag}: expected an integer of 1 or more, got '0'" in capsys.readouterr().err
