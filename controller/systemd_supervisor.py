@@ -4,7 +4,9 @@
 The unit sets `CUDA_VISIBLE_DEVICES=%i` and `CUDA_DEVICE_ORDER=PCI_BUS_ID`; its command is the
 operator's `ExecStart` (a drop-in). The pool and port the supervisor chooses reach it through
 its environment file, `systemd.environment_dir/N.env` (the unit's `EnvironmentFile=`), which
-`start` writes before `systemctl start --no-block`, and only while the unit is not running.
+`start` writes before `systemctl start`, and only while the unit is not running. The unit is
+`Type=exec`, so `systemctl start` returns once the worker's command runs (or says why it could
+not run it): a pass right after sees the unit running, never a start job still queued.
 
 Nothing is remembered: `observe` asks systemd which instances run (`systemctl show`), reads the
 pool and port of each from its environment file, and asks each its health check as the process
@@ -122,7 +124,7 @@ class SystemdSupervisor:
         port = free_port(self.config, taken)
         self._write_environment(gpu, pool, port)
         started = time.time()
-        self._run(["start", "--no-block", unit])
+        self._run(["start", unit])
         return WorkerProcess(gpu, pool, 0, self.config.host, port, started, False)
 
     def _write_environment(self, gpu: int, pool: str, port: int) -> None:
