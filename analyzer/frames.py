@@ -587,6 +587,8 @@ def _lab_frame(
         queue_names=(),
         feeder_processes=1 if live else 0,
         feeder_cpu_cores_max=max(values("worker_cpu_cores"), default=None),
+        # a frames.csv written before the column: unknown
+        kv_cache_usage_ratio=_mean(values("kv_cache_usage_ratio")),
         feeder_read_bytes_per_second=None,
         host_cpu_busy_ratio=None,
         host_cpu_pressure_ratio=None,

@@ -312,6 +312,15 @@ class Telemetry:
             "requests_completed": delta("requests_done"),
             "allocation_failures_total": sum(n.allocation_failures for n in now),
             "worker_cpu_cores": max(cpu, default=0.0),
+            # the fullest KV cache of the GPU's workers, as the serving samples report it
+            "kv_cache_usage_ratio": max(
+                (
+                    round(figures[w.name].kv_used_bytes / w.kv_cache_bytes, 6)
+                    for w in mine
+                    if w.kv_cache_bytes
+                ),
+                default="",
+            ),
         }
 
     def _host(self, end: float, period: float, figures: Mapping[str, WorkerFigures]) -> HostSample:
