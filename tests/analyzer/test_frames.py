@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from gpubalance.analyzer.frames import GpuFrame, frames_from_samples, window_index
+from gpubalance.analyzer.frames import (
+    GpuFrame,
+    frames_from_lab_rows,
+    frames_from_samples,
+    window_index,
+)
 from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario
 from gpubalance.lab.fast import ORIGIN_SECONDS
@@ -90,6 +95,34 @@ def test_the_skewed_server_shows_its_skew(skewed: tuple[list[Sample], Path]) -> 
     assert min(f.completions_per_second or 0 for f in hot) > max(
         f.completions_per_second or 0 for f in cold
     )
+
+
+def test_a_run_directorys_frames_csv_gives_the_kv_usage_its_samples_give(
+    skewed: tuple[list[Sample], Path],
+) -> None:
+    samples, out = skewed
+    from_samples = {
+        (f.t_start - ORIGIN_SECONDS, f.gpu): f.kv_cache_usage_ratio
+        for f in frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    }
+    with (out / "frames.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    from_csv = {
+        (f.t_start, f.gpu): f.kv_cache_usage_ratio
+        for f in frames_from_lab_rows(rows, window_seconds=WINDOW, host="lab")
+    }
+    common = sorted(set(from_samples) & set(from_csv))
+    assert len(common) >= 20
+    for key in common:
+        assert from_csv[key] == pytest.approx(from_samples[key], abs=1e-6), key
+    # the hot GPU's KV holds more than its idle peers'
+    assert from_csv[(60.0, 0)] > max(from_csv[(60.0, g)] for g in (1, 2, 3))
+    # a frames.csv written before the column: unknown, not empty
+    old = [{k: v for k, v in r.items() if k != "kv_cache_usage_ratio"} for r in rows]
+    frames = frames_from_lab_rows(old, window_seconds=WINDOW, host="lab")
+    assert all(f.kv_cache_usage_ratio is None for f in frames)
 
 
 def test_a_gap_is_not_a_baseline(skewed: tuple[list[Sample], Path]) -> None:
