@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpubalance.analyzer import causes
-from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
+from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
 from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.model import GpuStateClassifier
 from gpubalance.analyzer.train import Example, build_dataset
@@ -117,3 +117,40 @@ def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() ->
     assert set(named[memory]) == {"memory_pressure"}
     assert "overloaded/memory_pressure" not in set(labels[behind])
     assert "memory_pressure" not in set(named[behind])
+
+
+def test_a_kv_cache_nearly_empty_with_no_allocation_failing_is_no_memory_pressure(
+    tmp_path: Path,
+) -> None:
+    # the default demo under least connections: GPU 0 takes most of the work at a deep queue
+    # and full batches (a memory-limited server's look) with its KV cache about 1 % full and
+    # no allocation failing
+    document = yaml.safe_load(scenario.scenario_path("skewed-heterogeneous").read_text())
+    document["router"]["policy"] = "least_connections"
+    path = tmp_path / "skewed-leastconn.yaml"
+    path.write_text(yaml.safe_dump(document))
+    table = _table(str(path), 120, tmp_path / "run")
+    hot = [i for i, f in enumerate(table.frames) if f.gpu == 0]
+    table = FeatureTable(tuple(table.frames[i] for i in hot), table.values[hot].copy())
+    assert max(table.column("kv_cache_usage_ratio")) < causes.KV_IDLE
+    assert max(table.column("allocation_failures_per_completion")) == 0
+    classes = np.asarray(
+        [
+            "balanced/none",
+            "overloaded/memory_pressure",
+            "overloaded/routing_skew",
+            "overloaded/slow_card",
+        ]
+    )
+    learned = np.tile([0.2, 0.6, 0.15, 0.05], (len(hot), 1))
+    # the memory share goes to the other overloaded causes as they stood, 3 to 1
+    moved = np.tile([0.2, 0.0, 0.6, 0.2], (len(hot), 1))
+    assert np.allclose(causes.apply(learned, classes, table), moved)
+    # a KV cache in use, an allocation failing, or no KV figure: the learned answer stands
+    kv = COLUMNS.index("kv_cache_usage_ratio")
+    failures = COLUMNS.index("allocation_failures_per_completion")
+    for column, value in ((kv, 0.5), (failures, 0.001), (kv, np.nan)):
+        values = table.values.copy()
+        values[:, column] = value
+        changed = FeatureTable(table.frames, values)
+        assert np.allclose(causes.apply(learned, classes, changed), learned), (column, value)
