@@ -12,7 +12,9 @@ HAProxy 2.6 counts, in a backend's row (verified on 2.6.12, tests/controller/tes
 So a backend's shed requests are its `dreq` (status 429) and its `hrsp_5xx` less its servers'
 (status 503). HAProxy's counters start at 0 with each process (a reload starts a new one) and
 a deleted server takes its counters with it, so what was shed is taken as the growth between
-two readings, from 0 for a backend or server not seen before or whose counters went back.
+two readings, from 0 for a backend or server not seen before or whose counters went back. A
+controller's first reading is its baseline (controller/metrics.py): a restarted controller
+does not count HAProxy's earlier answers again.
 """
 
 from __future__ import annotations

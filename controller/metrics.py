@@ -99,7 +99,9 @@ class Metrics:
             ["backend"],
             registry=r,
         )
-        self._counts: dict[str, BackendCounts] = {}
+        # the backends' counters at the last pass; None before the first, which is the
+        # baseline: what HAProxy shed before this controller started is not counted again
+        self._counts: dict[str, BackendCounts] | None = None
         self.cycle_duration = Histogram(
             "gpubalance_controller_cycle_duration_seconds",
             "Time of one observe-plan-guard-act-record pass",
@@ -122,6 +124,7 @@ class Metrics:
             self.backend_queue.labels(backend).set(now.queue)
             for status in SHED_STATUSES:
                 self.shed_requests.labels(backend, status)  # 0 from the first reading
-        for (backend, status), n in shed(self._counts, counts).items():
-            self.shed_requests.labels(backend, status).inc(n)
+        if self._counts is not None:
+            for (backend, status), n in shed(self._counts, counts).items():
+                self.shed_requests.labels(backend, status).inc(n)
         self._counts = counts

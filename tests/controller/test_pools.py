@@ -298,6 +298,24 @@ def test_shed_requests_are_counted_between_readings_across_reloads_and_deleted_s
     assert reloaded.shed_since(readded) == {"429": 1, "503": 0}
 
 
+def test_a_controllers_first_reading_is_its_baseline() -> None:
+    from gpubalance.controller.metrics import Metrics
+
+    metrics = Metrics()
+
+    def total(status: str) -> float | None:
+        labels = {"backend": "be", "status": status}
+        return metrics.registry.get_sample_value(
+            "gpubalance_controller_shed_requests_total", labels
+        )
+
+    # HAProxy shed 4 and 2 before this controller started: a restart does not count them again
+    metrics.backends({"be": counts(4, 3, {"s1": 1})})
+    assert (total("429"), total("503")) == (0.0, 0.0)
+    metrics.backends({"be": counts(6, 5, {"s1": 1})})
+    assert (total("429"), total("503")) == (2.0, 2.0)
+
+
 # -- admission on a real HAProxy ------------------------------------------------------------
 
 
