@@ -1,6 +1,6 @@
 """Controller: what it did (actions as annotations), what it refused, the weights recommended
-and those HAProxy has, its serving servers, and its guardrails (breaker, dry run, pause, its
-sources)."""
+and those HAProxy has, its serving servers, the load HAProxy shed and its queues, and its
+guardrails (breaker, dry run, pause, its sources)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,31 @@ def build() -> dict[str, Any]:
                         "{{backend}}",
                     )
                 ],
+                "short",
+            )
+        )
+        .with_panel(
+            series(
+                "Requests shed per backend",
+                "Requests HAProxy answered itself instead of a worker, per second: 429 when "
+                "the pool's queue is at its max_queue, 503 when no server serves or the queue "
+                "timeout expired. Load the pools could not take: capacity or an outage.",
+                [
+                    query(
+                        "sum by (backend, status) (rate(gpubalance_controller_shed_requests_total"
+                        "[$__rate_interval]))",
+                        "{{backend}} {{status}}",
+                    )
+                ],
+                "ops",
+            )
+        )
+        .with_panel(
+            series(
+                "Backend queues",
+                "Requests waiting in each backend's queue for a free worker slot (HAProxy's "
+                "qcur) at the controller's last pass.",
+                [query("gpubalance_controller_backend_queue", "{{backend}}")],
                 "short",
             )
         )
