@@ -222,6 +222,13 @@ class FastRun:
     def _route(self, request: Request) -> None:
         pool_name = self.plan.pool_of(request.service_class)
         if self.scenario.router.policy == "pooled":
+            limit = self.scenario.router.max_queue
+            if limit is not None:
+                # as HAProxy's `queue ge N` rule sees it: expired requests gone, free slots filled
+                self._dispatch_pool(pool_name)
+                if len(self.central[pool_name]) >= limit:
+                    self._reject(request, 0.0, pool_name)  # answered 429 at once
+                    return
             self.central[pool_name].append(request)
             self._dispatch_pool(pool_name)
             return

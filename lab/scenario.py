@@ -96,6 +96,20 @@ class RouterSpec(_Strict):
         default_factory=dict, description="service class -> pool name; default: pool 'default'"
     )
     queue_timeout_seconds: float = Field(30.0, gt=0, description="pooled: longest wait in queue")
+    max_queue: int | None = Field(
+        None,
+        ge=1,
+        description="pooled: requests that may wait in a pool's queue; one more is answered 429 "
+        "at once (admission control); default: unbounded",
+    )
+
+    @model_validator(mode="after")
+    def _bounded_queue(self) -> RouterSpec:
+        if self.max_queue is not None and self.policy != "pooled":
+            raise ValueError(
+                f"max_queue bounds the pooled policy's central queue; policy {self.policy} has none"
+            )
+        return self
 
 
 class ThrottleEvent(_Strict):

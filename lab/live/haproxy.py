@@ -52,6 +52,9 @@ STICKY_COOKIE = "SERVERID"
 
 STATS_FRONTEND = "stats"
 
+# what a pooled backend's 429 (its queue at max_queue) tells the client to wait
+RETRY_AFTER_SECONDS = 1
+
 _BALANCE: dict[str, str] = {
     "round_robin": "roundrobin",
     "least_connections": "leastconn",
@@ -123,7 +126,10 @@ class Backend:
       worker with `maxconn` in two backends, where HAProxy would count its slots twice.
 
     Under any policy a request that waits in a queue longer than `queue_timeout_seconds` gets
-    HAProxy's own 503; only servers with `maxconn` make requests wait.
+    HAProxy's own 503; only servers with `maxconn` make requests wait. With `max_queue` (pooled),
+    a request that finds that many waiting is answered 429 at once, with `Retry-After` (an
+    `http-request deny`, counted in the backend's `dreq`), as `gpubalance deploy haproxy`'s
+    admission control does.
 
     With `health_check_path`, HAProxy sends `GET <path>` to every server each
     `health_check_interval_seconds`: 3 failures in a row take a server out (status DOWN), 2
@@ -141,6 +147,7 @@ class Backend:
     health_check_path: str | None = None
     health_check_interval_seconds: float = 1.0
     health_check_timeout_seconds: float | None = None
+    max_queue: int | None = None
 
     def __post_init__(self) -> None:
         check_name("backend name", self.name)
@@ -169,6 +176,11 @@ class Backend:
                     f"backend {self.name}: pooled needs maxconn (the worker's concurrency) "
                     f"on every server; missing on {', '.join(missing)}"
                 )
+        if self.max_queue is not None and (self.policy != "pooled" or self.max_queue < 1):
+            raise ValueError(
+                f"backend {self.name}: max_queue {self.max_queue} bounds a pooled backend's "
+                "queue: 1 or more, with policy pooled"
+            )
         if self.policy == "sticky":
             cookies = [self.cookie_of(server) for server in self.servers]
             if len(set(cookies)) != len(cookies):
@@ -317,6 +329,11 @@ def render(config: HaproxyConfig) -> str:
             f"    balance {_BALANCE[backend.policy]}",
             f"    timeout queue {_duration(backend.queue_timeout_seconds)}",
         ]
+        if backend.max_queue is not None:
+            lines.append(
+                f"    http-request deny deny_status 429 hdr Retry-After {RETRY_AFTER_SECONDS} "
+                f"if {{ queue ge {backend.max_queue} }}"
+            )
         if backend.policy == "sticky":
             lines.append(f"    cookie {STICKY_COOKIE} indirect nocache")
         if backend.health_check_path is not None:

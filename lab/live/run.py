@@ -210,6 +210,7 @@ class LiveLab:
                     policy=policy,
                     queue_timeout_seconds=router.queue_timeout_seconds,
                     health_check_path="/healthz",
+                    max_queue=router.max_queue,
                 )
             )
         routes = {cls: f"be_{pool}" for cls, pool in router.pools.items()}

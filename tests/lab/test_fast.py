@@ -232,6 +232,32 @@ def test_pooled_never_exceeds_max_batch_in_flight_and_rejects_after_timeout() ->
     assert max(r.start_seconds - r.arrival_seconds for r in ok) <= 2.0 + 1e-9
 
 
+def test_pooled_with_max_queue_turns_the_excess_away_at_once() -> None:
+    router = {"policy": "pooled", "queue_timeout_seconds": 2.0, "max_queue": 6}
+    data = spec(rate=300.0, duration=20.0, worker={"max_batch_size": 4}, router=router)
+    _, result, requests = simulate(data)
+    assert_conserved(requests, result)
+    rejected = [r for r in result.records if r.outcome == "rejected"]
+    at_once = [r for r in rejected if r.end_seconds == r.arrival_seconds]
+    # the bound answers the overload at arrival (429), before any request waits 2 s for a slot
+    assert at_once and len(at_once) == len(rejected)
+    # never more than max_queue waiting: each request that got a slot found fewer ahead of it
+    ok = sorted((r for r in result.records if r.start_seconds is not None), key=lambda r: r.id)
+    waits = [r.start_seconds - r.arrival_seconds for r in ok]  # type: ignore[operator]
+    assert max(waits) < 2.0
+    # the same load unbounded: requests wait out the timeout instead
+    data["router"] = {"policy": "pooled", "queue_timeout_seconds": 2.0}
+    _, unbounded, _ = simulate(data)
+    timed_out = [r for r in unbounded.records if r.outcome == "rejected"]
+    assert timed_out and all(r.end_seconds > r.arrival_seconds for r in timed_out)
+
+
+def test_max_queue_bounds_only_the_pooled_policy() -> None:
+    data = spec(router={"policy": "least_connections", "max_queue": 4})
+    with pytest.raises(ValueError, match="max_queue bounds the pooled policy's central queue"):
+        Scenario.model_validate(data)
+
+
 def test_pooled_restarted_worker_pulls_from_the_central_queue() -> None:
     # one worker, a crash and a restart; no arrivals after the restart to trigger a dispatch
     data = spec(

@@ -22,6 +22,7 @@ from gpubalance.lab.live import haproxy as haproxy_module
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
     POLICIES,
+    RETRY_AFTER_SECONDS,
     STICKY_COOKIE,
     Backend,
     Frontend,
@@ -205,6 +206,10 @@ def test_check_raises_with_haproxys_message(tmp_path: Path) -> None:
             "pooled needs maxconn",
         ),
         (lambda: Server("gpu0", "127.0.0.1", 1, weight=300), "outside 0..256"),
+        (
+            lambda: Backend("be", (Server("a", "h", 1),), policy="least_connections", max_queue=4),
+            "max_queue 4 bounds a pooled backend's queue",
+        ),
         (lambda: Server("gpu 0", "127.0.0.1", 1), "letters, digits"),
         (lambda: Backend("be", (), policy="round_robin"), "at least one server"),
         (
@@ -406,6 +411,31 @@ def test_pooled_rejects_after_queue_timeout(tmp_path: Path) -> None:
                 echo.release.set()
                 assert (await held)[0] == 200
                 assert _row(haproxy.api, "be", "BACKEND").hrsp_5xx == 1
+
+    asyncio.run(scenario())
+
+
+@needs_haproxy
+def test_pooled_answers_429_with_retry_after_once_max_queue_wait(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with EchoServers(["s1"]) as echo:
+            backend = Backend("be", echo.servers(s1={"maxconn": 1}), "pooled", max_queue=1)
+            config = one_backend(tmp_path, backend)
+            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+                held = asyncio.create_task(fetch(http, url(config, "/hold")))
+                await echo.wait_held(1)
+                waiting = asyncio.create_task(fetch(http, url(config, "/hold")))
+                async with asyncio.timeout(10):
+                    while _row(haproxy.api, "be", "BACKEND").qcur != 1:
+                        await asyncio.sleep(0.005)
+                # the queue holds max_queue: the next is turned away at once, not queued
+                async with http.get(url(config, "/hold")) as response:
+                    assert response.status == 429
+                    assert response.headers["Retry-After"] == str(RETRY_AFTER_SECONDS)
+                echo.release.set()
+                assert [(await held)[0], (await waiting)[0]] == [200, 200]
+                row = _row(haproxy.api, "be", "BACKEND")
+                assert (row.dreq, row.qmax) == (1, 1)  # counted where the controller reads it
 
     asyncio.run(scenario())
 
