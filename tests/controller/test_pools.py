@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,6 +431,12 @@ async def get(http: aiohttp.ClientSession, port: int, path: str, tenant: str = "
         return Answer(resp.status, resp.headers.get("Retry-After"), await resp.text())
 
 
+def key(name: str) -> str:
+    """A hold key of this test's run alone: the rig's workers are the module's, and a key once
+    released stays released there, so a repeated test (make test-repeat) must not reuse one."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
 async def until(check: Callable[[], bool], what: str, limit_seconds: float = 10.0) -> None:
     """Wait for what HAProxy (or a worker) reports, read every 10 ms."""
     deadline = time.monotonic() + limit_seconds
@@ -473,20 +480,21 @@ def test_a_flood_beyond_max_queue_gets_429_with_retry_after_counted_as_shed(
     port = rig.binds["be_flood"]
 
     async def scenario() -> None:
+        a = key("a")
         async with controlled(rig, tmp_path) as (controller, http):
             await controller.run_once()
-            busy = [asyncio.create_task(get(http, port, "/hold/a")) for _ in range(4)]
+            busy = [asyncio.create_task(get(http, port, f"/hold/{a}")) for _ in range(4)]
             await until(lambda: sum(s.scur for s in rig.servers("be_flood")) == 4, "4 in flight")
-            waiting = [asyncio.create_task(get(http, port, "/hold/a")) for _ in range(3)]
+            waiting = [asyncio.create_task(get(http, port, f"/hold/{a}")) for _ in range(3)]
             await until(lambda: rig.row("be_flood").qcur == 3, "3 waiting")
-            flood = await asyncio.gather(*(get(http, port, "/hold/a") for _ in range(6)))
+            flood = await asyncio.gather(*(get(http, port, f"/hold/{a}") for _ in range(6)))
             assert {(a.status, a.retry_after) for a in flood} == {(429, "5")}
             assert "3 requests wait in be_flood; retry after 5 s" in flood[0].body
             await controller.run_once()
             queue = {"backend": "be_flood"}
             gauge = "gpubalance_controller_backend_queue"
             assert controller.metrics.registry.get_sample_value(gauge, queue) == 3
-            await release(http, rig, "a")
+            await release(http, rig, a)
             admitted = await asyncio.gather(*busy, *waiting)
             assert [a.status for a in admitted] == [200] * 7
             await controller.run_once()
@@ -525,23 +533,27 @@ def test_fixed_share_keeps_a_tenants_slots_while_another_floods(rig: Rig, tmp_pa
     port = rig.binds["be_share"]
 
     async def scenario() -> None:
+        ca, cb = key("c-a"), key("c-b")
         async with controlled(rig, tmp_path) as (controller, http):
             await controller.run_once()
             # b's share of two workers of concurrency 4 is one slot each; two more may wait
-            flood = [asyncio.create_task(get(http, port, "/hold/c-b", "b")) for _ in range(10)]
-            await until(lambda: rig.row("be_share.b").stot == 10, "b's flood through HAProxy")
+            before = rig.row("be_share.b").stot  # the rig is the module's: counters go on
+            flood = [asyncio.create_task(get(http, port, f"/hold/{cb}", "b")) for _ in range(10)]
+            await until(
+                lambda: rig.row("be_share.b").stot == before + 10, "b's flood through HAProxy"
+            )
             assert [s.scur for s in rig.servers("be_share.b")] == [1, 1]
             assert rig.row("be_share.b").qcur == 2
             # a still has its three slots on each worker, at once
-            held = [asyncio.create_task(get(http, port, "/hold/c-a", "a")) for _ in range(5)]
+            held = [asyncio.create_task(get(http, port, f"/hold/{ca}", "a")) for _ in range(5)]
             await until(lambda: sum(s.scur for s in rig.servers("be_share.a")) == 5, "a's 5")
             quick = await asyncio.wait_for(get(http, port, "/", "a"), 5)
             assert quick.status == 200 and rig.row("be_share.a").qmax == 0
             # no tenant header: the default tenant, a
             assert (await asyncio.wait_for(get(http, port, "/"), 5)).status == 200
             assert max(s.smax for s in rig.servers("be_share.b")) == 1
-            await release(http, rig, "c-b")
-            await release(http, rig, "c-a")
+            await release(http, rig, cb)
+            await release(http, rig, ca)
             b = [a.status for a in await asyncio.gather(*flood)]
             assert sorted(b) == [200] * 4 + [429] * 6
             assert [a.status for a in await asyncio.gather(*held)] == [200] * 5
@@ -563,10 +575,11 @@ def test_utilization_first_keeps_one_queue_for_the_first_free_slot(
             return json.loads(await resp.text())
 
     async def scenario() -> None:
+        d = key("d") + "-"
         async with aiohttp.ClientSession() as http:
-            busy = [asyncio.create_task(get(http, port, f"/hold/d{i}")) for i in range(4)]
+            busy = [asyncio.create_task(get(http, port, f"/hold/{d}{i}")) for i in range(4)]
             await until(lambda: sum(s.scur for s in rig.servers("be_flood")) == 4, "4 in flight")
-            waiting = [asyncio.create_task(get(http, port, "/hold/d-q")) for _ in range(2)]
+            waiting = [asyncio.create_task(get(http, port, f"/hold/{d}q")) for _ in range(2)]
             await until(lambda: rig.row("be_flood").qcur == 2, "2 waiting")
             # they wait in the backend's queue, not in a server's
             assert [s.qcur for s in rig.servers("be_flood")] == [0, 0]
@@ -574,9 +587,13 @@ def test_utilization_first_keeps_one_queue_for_the_first_free_slot(
             on_f1 = await held_at(http, rig.workers[1])
             await release(http, rig, on_f1[0])
             await until(lambda: rig.row("be_flood").qcur == 1, "1 waiting")
-            assert "d-q" in await held_at(http, rig.workers[1])
-            for key in ("d0", "d1", "d2", "d3", "d-q"):
-                await release(http, rig, key)
+            # HAProxy has sent it on; the worker holds it once its request has arrived
+            deadline = time.monotonic() + 10
+            while f"{d}q" not in await held_at(http, rig.workers[1]):
+                assert time.monotonic() < deadline, "the waiting request never took f1's slot"
+                await asyncio.sleep(0.01)
+            for each in (*(f"{d}{i}" for i in range(4)), f"{d}q"):
+                await release(http, rig, each)
             answers = await asyncio.gather(*busy, *waiting)
             assert [a.status for a in answers] == [200] * 6
 
