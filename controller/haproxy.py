@@ -25,6 +25,10 @@ ADMIN_STATES: tuple[str, ...] = get_args(AdminState)
 # HAProxy names (proxies, servers, cookie values): anything wider would need quoting in the
 # config and on the runtime CLI
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+# a request header's name, as a config's `req.hdr(...)` takes it
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
+# a health check's path: printable, no spaces, one token on the `option httpchk` line
+HTTP_PATH = re.compile(r"/[!-~]*")
 MAX_WEIGHT = 256
 
 # srv_admin_state bits (HAProxy include/haproxy/server-t.h, SRV_ADMF_*)

@@ -23,7 +23,6 @@ the same header. The checks read HAProxy's `nbsrv` and `queue` sample fetches.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -31,15 +30,13 @@ from typing import Annotated, Literal, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpubalance.config import load_section
-from gpubalance.controller.haproxy import MAX_WEIGHT, check_name
+from gpubalance.controller.haproxy import HEADER_NAME, HTTP_PATH, MAX_WEIGHT, check_name
 from gpubalance.webconfig import parse_listen
 
 SECTION = "haproxy"
 
 Policy = Literal["utilization_first", "equal_share", "fixed_share"]
 
-_HEADER = re.compile(r"[A-Za-z0-9-]+")
-_PATH = re.compile(r"/[!-~]*")  # printable, no spaces: one token on the `option httpchk` line
 # shares are written in decimals: a sum within this of 1 is 1
 _SHARE_TOLERANCE = 1e-6
 
@@ -112,14 +109,14 @@ class Pool(_Model):
     @field_validator("tenant_header")
     @classmethod
     def _header(cls, value: str) -> str:
-        if not _HEADER.fullmatch(value):
+        if not HEADER_NAME.fullmatch(value):
             raise ValueError(f"{value!r} is not a header name (letters, digits, '-')")
         return value
 
     @field_validator("health_path")
     @classmethod
     def _path(cls, value: str | None) -> str | None:
-        if value is not None and not _PATH.fullmatch(value):
+        if value is not None and not HTTP_PATH.fullmatch(value):
             raise ValueError(f"{value!r} must start with '/' and hold no spaces")
         return value
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -34,6 +33,8 @@ from typing import IO, Literal, get_args
 # the runtime client lives with the controller, which runs on real hosts; one copy, and the
 # lab's callers keep importing its names from here
 from gpubalance.controller.haproxy import (
+    HEADER_NAME,
+    HTTP_PATH,
     MAX_WEIGHT,
     HaproxyError,
     RuntimeApi,
@@ -67,8 +68,6 @@ _BALANCE: dict[str, str] = {
 }
 
 # Header values used in ACLs: anything wider would need quoting in the config
-_HEADER = re.compile(r"[A-Za-z0-9-]+")
-_PATH = re.compile(r"/[!-~]*")  # printable, no spaces: one token on the `option httpchk` line
 # sun_path is 108 bytes including the terminating NUL
 _MAX_SOCKET_PATH = 107
 
@@ -164,7 +163,7 @@ class Backend:
         _duration(self.health_check_interval_seconds)
         if self.health_check_timeout_seconds is not None:
             _duration(self.health_check_timeout_seconds)
-        if self.health_check_path is not None and not _PATH.fullmatch(self.health_check_path):
+        if self.health_check_path is not None and not HTTP_PATH.fullmatch(self.health_check_path):
             raise ValueError(
                 f"backend {self.name}: health_check_path {self.health_check_path!r} must start "
                 "with '/' and hold no spaces"
@@ -208,7 +207,7 @@ class Frontend:
             raise ValueError(f"frontend name {STATS_FRONTEND!r} is reserved for the stats port")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"frontend {self.name}: port {self.port} is outside 1..65535")
-        if not _HEADER.fullmatch(self.header):
+        if not HEADER_NAME.fullmatch(self.header):
             raise ValueError(f"frontend {self.name}: header {self.header!r} is not a header name")
         for value in self.routes:
             check_name(f"frontend {self.name} {self.header} value", value)
