@@ -51,10 +51,11 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("memory pressure", "fragmented-memory"),
     ("Azure code trace replay", "overprovisioned-fleet"),
     ("pool-demand shift", "pool-demand-shift"),
+    ("pool-demand shift", "pool-demand-peaks"),
 )
-# pool-demand-shift's static splits, each under leastconn and the oracle: static-best is the
-# best of the leastconn ones, what a controller that moves GPUs between the pools has to beat
-SHIFT = "pool-demand-shift"
+# the pool-demand scenarios' static splits, each under leastconn and the oracle: static-best is
+# the best of the leastconn ones, what a controller that moves GPUs between the pools has to beat
+SHIFTS = ("pool-demand-shift", "pool-demand-peaks")
 
 
 def machine() -> str:
@@ -99,11 +100,11 @@ def run_all(names: Sequence[str], seeds: int, duration: float | None) -> dict[st
     return out
 
 
-def run_splits(seeds: int) -> dict[str, dict[str, list[LoopResult]]]:
-    """Each static split of pool-demand-shift's GPUs under leastconn and the oracle."""
+def run_splits(name: str, seeds: int) -> dict[str, dict[str, list[LoopResult]]]:
+    """Each static split of a pool-demand scenario's GPUs under leastconn and the oracle."""
     out: dict[str, dict[str, list[LoopResult]]] = {}
-    found = sorted(splits(scenario.load(SHIFT)), key=lambda p: len(p.workers_in("chat")))
-    with progress("static splits", len(found) * 2 * seeds) as advance:
+    found = sorted(splits(scenario.load(name)), key=lambda p: len(p.workers_in("chat")))
+    with progress(f"static splits of {name}", len(found) * 2 * seeds) as advance:
         for plan in found:
             chat = len(plan.workers_in("chat"))
             key = f"{chat} chat + {len(plan.gpus) - chat} code"
@@ -118,12 +119,12 @@ def run_splits(seeds: int) -> dict[str, dict[str, list[LoopResult]]]:
     return out
 
 
-def split_report(splits: dict[str, dict[str, list[LoopResult]]]) -> list[str]:
+def split_report(name: str, splits: dict[str, dict[str, list[LoopResult]]]) -> list[str]:
     if not splits:
         return []
     lines = [
         "",
-        f"{SHIFT}, static splits of the four GPUs between the two pools (the shipped one is "
+        f"{name}, static splits of the four GPUs between the two pools (the shipped one is "
         "2 + 2): p99 per pool, s, median over the seeds. The static-best row above is, per "
         "seed, the leastconn split whose highest p99 of a class is lowest.",
         "",
@@ -293,10 +294,19 @@ def main() -> None:
         families.setdefault(name, "")
     started = time.monotonic()
     results = run_all(names, args.seeds, args.duration)
-    splits = run_splits(args.seeds) if SHIFT in names and args.duration is None else {}
+    split_runs = {
+        name: run_splits(name, args.seeds)
+        for name in SHIFTS
+        if name in names and args.duration is None
+    }
     took = time.monotonic() - started
     command = "python bench/loop.py " + " ".join(sys.argv[1:])
-    text = "\n".join([report(results, families, command.strip(), took), *split_report(splits)])
+    text = "\n".join(
+        [
+            report(results, families, command.strip(), took),
+            *(line for name, runs in split_runs.items() for line in split_report(name, runs)),
+        ]
+    )
     write_section(
         "loop",
         "Closed loop: balancing policies at the fast speed",

@@ -85,6 +85,13 @@ EXPECTED: dict[str, Expect] = {
             for g in range(4)
         },
     ),
+    "pool-demand-peaks": Expect(
+        duration=1800.0,  # the whole day: each pool peaks once
+        shows={
+            g: {BALANCED, ("overloaded", "capacity_shortage"), ("starved", "low_demand")}
+            for g in range(4)
+        },
+    ),
 }
 
 
