@@ -141,9 +141,11 @@ def run_policy(
     *,
     settings: Settings | None = None,
     on_sample: Callable[[Sample], None] | None = None,
+    audit_to: Path | None = None,
 ) -> LoopResult:
     """Run ``plan`` under ``policy``; ``classifier`` judges for the controller (default the
-    analyzer's default, the shipped model)."""
+    analyzer's default, the shipped model). ``audit_to``: where the controller's audit log (JSON
+    lines, simulated times in ``at_seconds``) is written after the run."""
     from gpubalance.lab import traffic
     from gpubalance.lab.control import closed_loop
     from gpubalance.lab.fast import FastRun
@@ -165,6 +167,9 @@ def run_policy(
             loop.run_to_end()
             loop.controller.audit.close()
             audit = loop.controller.audit.entries()
+            if audit_to is not None:
+                lines = (json.dumps(e, sort_keys=True) + "\n" for e in audit)
+                audit_to.write_text("".join(lines), encoding="utf-8")
             passes = len(loop.reports)
             recommended = loop.recommended
     result = run.finish()
@@ -466,6 +471,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="the controller's analyzer judges with this trained model (default: the shipped "
         "model, the analyzer's default)",
     )
+    loop.add_argument(
+        "--audit",
+        type=Path,
+        metavar="FILE",
+        help="with --policy controller: write the controller's audit log there (JSON lines: "
+        "each decision, its reason and its simulated time, at_seconds)",
+    )
     loop.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     loop.set_defaults(_run=_run_loop)
 
@@ -480,7 +492,13 @@ def _run_loop(args: argparse.Namespace) -> int:
     seed_value = plan.scenario.seed if args.seed is None else args.seed
     with _progress(duration, plan.scenario.interval_seconds) as on_sample:
         result = run_policy(
-            plan, args.policy, seed_value, duration, classifier, on_sample=on_sample
+            plan,
+            args.policy,
+            seed_value,
+            duration,
+            classifier,
+            on_sample=on_sample,
+            audit_to=args.audit,
         )
     if args.json:
         print(json.dumps(dataclasses.asdict(result), sort_keys=True))
@@ -529,6 +547,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan, Classifier | None]:
         raise BenchError(f"--scenario: {exc}") from None
     if args.policy == STATIC_BEST:
         splits(plan)  # says why it has none
+    if args.audit is not None:
+        if args.policy != "controller":
+            raise BenchError(f"--audit: only the controller keeps one, not {args.policy}")
+        if not args.audit.parent.is_dir():
+            raise BenchError(f"--audit {args.audit}: {args.audit.parent} is not a directory")
+        if args.audit.is_dir():
+            raise BenchError(f"--audit {args.audit}: a directory, not a file")
     classifier: Classifier | None = None
     if args.model is not None:
         from gpubalance.analyzer import model

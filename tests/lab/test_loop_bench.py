@@ -265,6 +265,14 @@ def test_bench_loop_prints_one_json_object(tmp_path: Path, capsys: pytest.Captur
             ["--scenario", "default-target", "--policy", "oracle", "--model", "/nonexistent"],
             "--model /nonexistent: no such file",
         ),
+        (
+            ["--scenario", "default-target", "--policy", "oracle", "--audit", "/tmp/a.jsonl"],
+            "--audit: only the controller keeps one, not oracle",
+        ),
+        (
+            ["--scenario", "default-target", "--policy", "controller", "--audit", "/no/a.jsonl"],
+            "--audit /no/a.jsonl: /no is not a directory",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_what_is_wrong(
@@ -288,6 +296,20 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(tmp_path: Path) -> None
     piped = subprocess.run(command, capture_output=True, timeout=120, check=True)
     assert piped.stderr == b""
     assert json.loads(piped.stdout)["policy"] == "controller"
+
+
+def test_the_controllers_audit_log_is_written_where_asked(tmp_path: Path) -> None:
+    # chat far busier than its two GPUs serve, code quiet: the controller moves a GPU
+    path, audit = tmp_path / "two-pools.yaml", tmp_path / "audit.jsonl"
+    path.write_text(TWO_POOLS.replace("rate: 8}", "rate: 40}"))
+    args = ["--scenario", str(path), "--policy", "controller", "--json"]
+    assert main(["bench", "loop", *args, "--audit", str(audit)]) == 0
+    entries = [json.loads(line) for line in audit.read_text().splitlines()]
+    applied = [e for e in entries if e["decision"] == "applied"]
+    assert applied, entries
+    # simulated times, within the run, in order
+    times = [e["at_seconds"] for e in entries]
+    assert times == sorted(times) and times[-1] - times[0] <= 120
 
 
 TWO_POOLS = """\
