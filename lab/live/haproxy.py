@@ -67,7 +67,6 @@ _BALANCE: dict[str, str] = {
     "pooled": "leastconn",
 }
 
-# Header values used in ACLs: anything wider would need quoting in the config
 # sun_path is 108 bytes including the terminating NUL
 _MAX_SOCKET_PATH = 107
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import re
 import subprocess
@@ -437,10 +438,21 @@ def key(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-async def until(check: Callable[[], bool], what: str, limit_seconds: float = 10.0) -> None:
-    """Wait for what HAProxy (or a worker) reports, read every 10 ms."""
+async def until(
+    check: Callable[[], bool] | Callable[[], Coroutine[Any, Any, bool]],
+    what: str,
+    limit_seconds: float = 10.0,
+) -> None:
+    """Wait for what HAProxy (or a worker) reports, read every 10 ms: a blocking check runs in a
+    thread, a coroutine function is awaited."""
+
+    async def holds() -> bool:
+        if inspect.iscoroutinefunction(check):
+            return await check()
+        return await asyncio.to_thread(check)
+
     deadline = time.monotonic() + limit_seconds
-    while not await asyncio.to_thread(check):
+    while not await holds():
         assert time.monotonic() < deadline, f"waited {limit_seconds} s for {what}"
         await asyncio.sleep(0.01)
 
@@ -588,10 +600,11 @@ def test_utilization_first_keeps_one_queue_for_the_first_free_slot(
             await release(http, rig, on_f1[0])
             await until(lambda: rig.row("be_flood").qcur == 1, "1 waiting")
             # HAProxy has sent it on; the worker holds it once its request has arrived
-            deadline = time.monotonic() + 10
-            while f"{d}q" not in await held_at(http, rig.workers[1]):
-                assert time.monotonic() < deadline, "the waiting request never took f1's slot"
-                await asyncio.sleep(0.01)
+
+            async def f1_holds_it() -> bool:
+                return f"{d}q" in await held_at(http, rig.workers[1])
+
+            await until(f1_holds_it, "the waiting request to take f1's slot")
             for each in (*(f"{d}{i}" for i in range(4)), f"{d}q"):
                 await release(http, rig, each)
             answers = await asyncio.gather(*busy, *waiting)
