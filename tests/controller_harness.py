@@ -241,11 +241,26 @@ def lane() -> str:
     return os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 
 
+def run_id() -> str:
+    """This pytest run's id, the same in each of its xdist workers (the main process's pid
+    outside xdist): two runs on one machine (two clones' `make test`) tell their workers apart."""
+    return os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8] or str(os.getpid())
+
+
+def lane_mark() -> str:
+    """The start of the supervisor instance of each worker this lane's tests start: the
+    cleanup after each test kills what it finds under it, and only that (before it named the
+    lane alone, so a run's cleanup killed the workers of another run's lane of the same name)."""
+    return f"t-{run_id()}-{lane()}-"
+
+
 def lane_ports() -> tuple[int, int]:
     """The worker ports of this pytest-xdist worker's tests: a supervisor takes the first port
     of its range that nothing holds, so two tests started side by side on one range can both
-    take it before either worker binds it (seen: a worker exiting at start-up)."""
-    first = 20000 + 200 * (int(lane().removeprefix("gw") or 0) % 5)
+    take it before either worker binds it (seen: a worker exiting at start-up). The lanes of
+    one run get blocks of their own; another run on the machine most likely other blocks."""
+    run = int(hashlib.sha1(run_id().encode()).hexdigest(), 16) % 10
+    first = 20000 + 200 * (5 * run + int(lane().removeprefix("gw") or 0) % 5)
     return first, first + 199
 
 
@@ -316,8 +331,7 @@ def workers_config(
         command=tuple(command),
         gpus=gpus,
         # this lane's, so that what a test leaves running is found (tests/controller/conftest.py)
-        instance=instance
-        or f"t-{lane()}-" + hashlib.sha1(str(state_dir).encode()).hexdigest()[:12],
+        instance=instance or lane_mark() + hashlib.sha1(str(state_dir).encode()).hexdigest()[:12],
         state_dir=state_dir,
         **{**settings, **fields},
     )

@@ -7,13 +7,13 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-from controller_harness import kill_workers, lane
+from controller_harness import kill_workers, lane_mark
 
 
 @pytest.fixture(autouse=True)
 def no_worker_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    left = kill_workers(f"t-{lane()}-")
+    left = kill_workers(lane_mark())
     if left:
         warnings.warn(
             f"{request.node.nodeid} left workers running (killed): {'; '.join(left)}",
