@@ -10,7 +10,7 @@ below are the thresholds named there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -272,8 +272,16 @@ def _window(
                 c = clock[w.gpu]
                 per_request = (prefill / c + decode / math.sqrt(c)) / len(ids)
                 capacity[w.name] = up[w.name] / per_request
-            total = sum(capacity.values())
-            groups.append((ids, {n: v / total for n, v in capacity.items()}))
+            if policy == "least_connections":
+                # in flight per unit of weight is what it evens out: a server weighted k times
+                # holds k times the requests, so it is sent k times its capacity's share, up
+                # to what it can serve
+                limit = {n: v * width / len(ids) for n, v in capacity.items()}
+                shares = _fill({n: weights.get(n, 1.0) * v for n, v in capacity.items()}, limit)
+            else:
+                total = sum(capacity.values())
+                shares = {n: v / total for n, v in capacity.items()}
+            groups.append((ids, shares))
         else:
             groups.append((ids, _even(live, up)))
         by_name = {w.name: w for w in plan.workers}
@@ -559,6 +567,30 @@ def _pool_view(
     rho[gpu] = figures[gpu].rho_free
     fair_rho_unthrottled = _weighted(rho, weight, figures[gpu].rho_free)
     return _View(share, capacity_share, slow, busy_peer, fair_rho, fair_rho_unthrottled)
+
+
+def _fill(pull: Mapping[str, float], limit: Mapping[str, float]) -> dict[str, float]:
+    """Shares of a pool's work in proportion to ``pull``, none above its ``limit`` (the share
+    that keeps it at ρ 1): what a server cannot take goes to the others in proportion to
+    theirs. With more work than the pool serves, every server is at its limit: shares in
+    proportion to the limits."""
+    shares: dict[str, float] = {}
+    free = dict(pull)
+    left = 1.0
+    while free:
+        total = sum(free.values())
+        over = [n for n, v in free.items() if left * v / total > limit[n]]
+        if not over:
+            shares.update({n: left * v / total for n, v in free.items()})
+            return shares
+        for n in over:
+            shares[n] = limit[n]
+            left -= limit[n]
+            del free[n]
+        if left <= 0:
+            break
+    whole = sum(limit.values())
+    return {n: v / whole for n, v in limit.items()}
 
 
 def _weighted(values: dict[int, float], weights: dict[int, float], default: float) -> float:

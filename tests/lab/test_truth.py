@@ -654,6 +654,37 @@ def test_capacity_aware_policies_share_work_by_capacity(policy: str) -> None:
         assert max(r.rho for r in window) - min(r.rho for r in window) < 0.01
 
 
+def test_least_connections_weights_send_a_server_its_weight_times_its_capacity_share() -> None:
+    # HAProxy's leastconn evens out in flight per unit of weight: w0 weighted 3 holds three
+    # times the requests of w1 on a like card, so it is sent three times the work (0.75 of a
+    # load of 0.5 per card: rho 0.75), until that would put it past rho 1
+    two = ("RTX 4090", "RTX 4090")
+    weighted = {"policy": "least_connections", "weights": {"w0": 3.0, "w1": 1.0}}
+    rows, _ = ground_truth(spec(rate=1.0 / cost(), cards=two, router=weighted))
+    for hot, cold in zip(rows_of(rows, 0), rows_of(rows, 1), strict=True):
+        assert hot.share_of_pool_work == pytest.approx(0.75, abs=1e-4)
+        assert hot.capacity_share == pytest.approx(0.5, abs=1e-4)
+        assert hot.rho == pytest.approx(3 * cold.rho, rel=1e-3)
+    # more work: w0 is sent what keeps it at rho 1, w1 the rest
+    rows, _ = ground_truth(spec(rate=1.6 / cost(), cards=two, router=weighted))
+    for hot, cold in zip(rows_of(rows, 0), rows_of(rows, 1), strict=True):
+        assert hot.rho == pytest.approx(1.0, abs=1e-3)
+        assert hot.share_of_pool_work > 0.5 > cold.share_of_pool_work
+        assert (hot.state, hot.cause) == ("overloaded", "routing_skew")
+        assert (cold.state, cold.cause) == ("balanced", "none")
+
+
+def test_least_connections_with_like_weights_or_too_much_work_shares_by_capacity() -> None:
+    # equal weights: by capacity, as ever; past what the pool serves, every server is full
+    # and the shares are by capacity whatever the weights
+    full = 2.0 * (1 / cost() + 1 / cost("RTX 4070 Ti"))
+    for rate, weights in ((28.0, {"w0": 1.0, "w1": 1.0}), (full, {"w0": 5.0, "w1": 1.0})):
+        router = {"policy": "least_connections", "weights": weights}
+        rows, _ = ground_truth(spec(rate=rate, cards=("RTX 4090", "RTX 4070 Ti"), router=router))
+        for row in rows:
+            assert row.share_of_pool_work == pytest.approx(row.capacity_share, abs=1e-4)
+
+
 def test_round_robin_overloads_the_slow_card() -> None:
     rows, _ = ground_truth(spec(rate=28.0, cards=("RTX 4090", "RTX 4070 Ti")))
     for start in (0.0, 30.0, 60.0, 90.0):
