@@ -81,6 +81,8 @@ class ServerStat:
     ttime_seconds: float | None  # mean total time over the last 1024 requests
     # requests refused by an `http-request deny` (a backend's own rules, or its frontend's)
     dreq: int | None = None
+    # a BACKEND row's balance algorithm ("leastconn", "roundrobin", "random", ...)
+    algo: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,7 @@ def _parse_stat(text: str) -> list[ServerStat]:
                 qtime_seconds=_seconds(row, "qtime"),
                 ttime_seconds=_seconds(row, "ttime"),
                 dreq=_int(row, "dreq"),
+                algo=row.get("algo") or None,
             )
         )
     return stats

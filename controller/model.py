@@ -8,7 +8,7 @@ HAProxy's runtime CLI; a pool is a backend.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from gpubalance.controller.haproxy import AdminState, ServerStat, ServerState
@@ -75,6 +75,8 @@ class Observed:
 
     at_seconds: float  # Unix time of the reading
     servers: Mapping[str, ObservedServer]
+    # backend -> its balance algorithm, as `show stat`'s BACKEND row names it (where it does)
+    algorithms: Mapping[str, str] = field(default_factory=dict)
 
     def pool(self, backend: str) -> tuple[ObservedServer, ...]:
         return tuple(s for s in self.servers.values() if s.backend == backend)
@@ -111,7 +113,12 @@ def observed_from(
             address=state.address,
             port=state.port,
         )
-    return Observed(at_seconds=at_seconds, servers=servers)
+    algorithms = {
+        s.pxname: s.algo
+        for s in stats
+        if s.type == "backend" and s.algo and (backends is None or s.pxname in backends)
+    }
+    return Observed(at_seconds=at_seconds, servers=servers, algorithms=algorithms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
 - `set_weights`: as the analyzer makes it, target a pool (`pool:NAME`) and
   `parameters["weights"]` a list of `{gpu, worker, weight}`, each worker's share of the pool's
   work: the workers are the backend's servers of those names, and the shares become weights
-  in proportion, the largest `SHARE_WEIGHT` (where they name all of the backend's servers,
+  in proportion (on a leastconn backend, each over its GPU's capacity: leastconn sends a
+  server its weight times its capacity), the largest `SHARE_WEIGHT` (where they name all of
+  the backend's servers,
   at the scale the step reaches soonest, and none where HAProxy's weights are within
   `SHARE_TOLERANCE` of the shares already); or target a backend (`be_gpu`) with
   `parameters["weights"]` mapping its server names to weights 0..256. Each pass moves a weight
@@ -263,6 +265,8 @@ def _shares(
         return refuse("unknown_target", f"set_weights of {rec.target}: {servers}")
     if max(shares.values()) <= 0:
         return refuse("bad_parameters", f"set_weights of {rec.target} gives every worker 0")
+    if observed.algorithms.get(servers[0].backend) == "leastconn":
+        shares = _per_connection(shares, weights, rec)
     current = {s.server: s.weight for s in servers}
     if {s.server for s in observed.pool(servers[0].backend)} == set(current):
         # the whole backend: only the proportions route, and any scale of them will do
@@ -270,6 +274,30 @@ def _shares(
     else:
         weights = _scaled(shares, SHARE_WEIGHT)
     return [_Want(server, "weight", weights[server.server]) for server in servers]
+
+
+def _per_connection(
+    shares: Mapping[str, float], items: Sequence[Mapping[str, object]], rec: Recommendation
+) -> dict[str, float]:
+    """What to weigh each server by for `shares` on a leastconn backend: HAProxy evens out
+    requests in flight per unit of weight, and a server holds its requests for as long as its
+    card takes, so it is sent its weight times its capacity; the weight is its share over its
+    capacity (its GPU's, split over the GPU's workers). Capacity shares come out as equal
+    weights: leastconn already sends a slow card less. Where the recommendation gives no
+    capacity for a GPU with a share, the shares as they are."""
+    capacity = rec.expected.capacity_per_second if rec.expected is not None else {}
+    gpu_of = {str(item["worker"]): item.get("gpu") for item in items}
+    workers_on: dict[object, int] = {}
+    for gpu in gpu_of.values():
+        workers_on[gpu] = workers_on.get(gpu, 0) + 1
+    out: dict[str, float] = {}
+    for worker, share in shares.items():
+        gpu = gpu_of[worker]
+        each = capacity.get(gpu) if isinstance(gpu, int) else None
+        if share > 0 and not (each and each > 0):
+            return dict(shares)
+        out[worker] = share * workers_on[gpu] / each if share > 0 and each else 0.0
+    return out
 
 
 def _scaled(shares: Mapping[str, float], scale: int) -> dict[str, int]:

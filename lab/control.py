@@ -49,6 +49,7 @@ from gpubalance.controller.mover import Mover
 from gpubalance.controller.supervisor import SupervisorError, WorkerProcess, WorkersConfig
 from gpubalance.diagnosis import AckStatus, Recommendation
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun, WorkerState
+from gpubalance.lab.live.haproxy import stat_algorithm
 from gpubalance.telemetry import Sample
 
 # srv_admin_state bits as `show servers state` reports them (SRV_ADMF_FMAINT, SRV_ADMF_FDRAIN)
@@ -112,29 +113,63 @@ class LabBalancer:
         ]
 
     def show_stat(self) -> list[ServerStat]:
-        return [
-            ServerStat(
-                pxname=backend_of(w),
-                svname=w.name,
-                type="server",
-                status=self._status(w),
-                weight=haproxy_weight(self.run.router.weight(w.name)),
+        servers = [
+            _stat_row(
+                backend_of(w),
+                w.name,
+                self._status(w),
+                [w],
+                self.run,
                 uweight=haproxy_weight(self.run.router.weight(w.name)),
-                scur=w.in_flight,
-                smax=0,
-                slim=None,
-                stot=w.requests_done,
-                qcur=None,
-                qmax=None,
-                rate=None,
-                econ=None,
-                eresp=None,
-                hrsp_5xx=None,
-                qtime_seconds=None,
-                ttime_seconds=None,
             )
             for w in self._servers()
         ]
+        # each pool's BACKEND row, with the balance algorithm as HAProxy's row names it
+        backends = [
+            _stat_row(
+                f"be_{pool}",
+                "BACKEND",
+                "UP" if any(w.up for w in workers) else "DOWN",
+                workers,
+                self.run,
+                algo=stat_algorithm(self.run.router.policy),
+            )
+            for pool, workers in sorted(self.run.pools.items())
+        ]
+        return servers + backends
+
+
+def _stat_row(
+    pxname: str,
+    svname: str,
+    status: str,
+    workers: Sequence[WorkerState],
+    run: FastRun,
+    **known: object,
+) -> ServerStat:
+    """A `show stat` row over ``workers`` (one for a server's, a pool's for its BACKEND): the
+    columns the simulated router knows, ``known`` ones besides, the rest empty."""
+    row = ServerStat(
+        pxname=pxname,
+        svname=svname,
+        type="backend" if svname == "BACKEND" else "server",
+        status=status,
+        weight=sum(haproxy_weight(run.router.weight(w.name)) for w in workers),
+        uweight=None,
+        scur=sum(w.in_flight for w in workers),
+        smax=0,
+        slim=None,
+        stot=sum(w.requests_done for w in workers),
+        qcur=None,
+        qmax=None,
+        rate=None,
+        econ=None,
+        eresp=None,
+        hrsp_5xx=None,
+        qtime_seconds=None,
+        ttime_seconds=None,
+    )
+    return dataclasses.replace(row, **known)  # type: ignore[arg-type]
 
 
 class LabActuator:

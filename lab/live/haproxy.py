@@ -67,6 +67,13 @@ _BALANCE: dict[str, str] = {
     "pooled": "leastconn",
 }
 
+
+def stat_algorithm(policy: str) -> str:
+    """The balance algorithm `show stat` reports (its `algo` column) for a backend of a lab
+    router policy: weighted round robin is HAProxy's roundrobin with weights."""
+    return _BALANCE.get(policy, "roundrobin").split("(")[0]
+
+
 # sun_path is 108 bytes including the terminating NUL
 _MAX_SOCKET_PATH = 107
 

@@ -23,7 +23,7 @@ from gpubalance.controller.model import (
     Settings,
 )
 from gpubalance.controller.plan import plan, plan_moves
-from gpubalance.diagnosis import Recommendation
+from gpubalance.diagnosis import ExpectedEffect, Recommendation
 
 NOW = 1_800_000_000.0
 
@@ -54,6 +54,7 @@ def rec(
     expires: float = NOW + 600,
     cost_rank: int = 0,
     host: str = "h1",
+    expected: ExpectedEffect | None = None,
 ) -> Recommendation:
     return Recommendation(
         id=rec_id,
@@ -66,6 +67,7 @@ def rec(
         confidence=0.9,
         created_seconds=created,
         expires_seconds=expires,
+        expected=expected,
         cost_rank=cost_rank,
     )
 
@@ -81,7 +83,7 @@ def apply(state: Observed, changes: Sequence[Change]) -> Observed:
             servers[change.key] = replace(s, weight=change.value)  # type: ignore[arg-type]
         else:
             servers[change.key] = replace(s, admin=change.value, sessions=0)  # type: ignore[arg-type]
-    return Observed(state.at_seconds, servers)
+    return Observed(state.at_seconds, servers, state.algorithms)
 
 
 SETTINGS = Settings(max_weight_step=32)
@@ -469,6 +471,37 @@ def test_the_analyzers_shares_are_reached_in_the_fewest_passes_of_the_step() -> 
     five = observed(*(server(f"w{i}", weight=10) for i in range(4)), server("w4", weight=100))
     part = plan(five, wanted, (), SETTINGS)
     assert {(c.server, c.value) for c in part.changes} == {(f"w{i}", 42) for i in range(4)}
+
+
+def test_capacity_shares_on_a_leastconn_backend_are_equal_weights() -> None:
+    # three RTX 4090s serving 10 requests/s each and an RTX 3090 serving 4, weighted 8/2/2/1:
+    # leastconn evens out requests in flight per unit of weight, and the 3090 holds each
+    # request longer, so weights in proportion to capacity would count its slowness twice
+    capacity = {0: 10.0, 1: 10.0, 2: 10.0, 3: 4.0}
+    total = sum(capacity.values())
+    shares = [{"gpu": g, "worker": f"w{g}", "weight": c / total} for g, c in capacity.items()]
+    expected = ExpectedEffect({}, {}, None, None, capacity_per_second=capacity)
+    wanted = [rec("r", "set_weights", "pool:llama", {"weights": shares}, expected=expected)]
+    settings = replace(SETTINGS, max_weight_step=256)
+    servers = [server(f"w{g}", weight=w) for g, w in enumerate((8, 2, 2, 1))]
+    leastconn = replace(observed(*servers), algorithms={"be": "leastconn"})
+    result = plan(leastconn, wanted, (), settings)
+    after = apply(leastconn, result.changes)
+    assert len({s.weight for s in after.servers.values()}) == 1
+    assert plan(after, wanted, (), settings).converged == ("r",)
+    # round robin sends each server its weight's share: weights in proportion to the shares
+    roundrobin = replace(observed(*servers), algorithms={"be": "roundrobin"})
+    after = apply(roundrobin, plan(roundrobin, wanted, (), settings).changes)
+    assert {k: s.weight for k, s in after.servers.items()} == {
+        "be/w0": 100,
+        "be/w1": 100,
+        "be/w2": 100,
+        "be/w3": 40,
+    }
+    # no capacity for a GPU given a share: the shares as they are, on leastconn too
+    bare = [rec("r", "set_weights", "pool:llama", {"weights": shares})]
+    after = apply(leastconn, plan(leastconn, bare, (), settings).changes)
+    assert after.servers["be/w3"].weight == 40
 
 
 @pytest.mark.parametrize("seed", range(200))

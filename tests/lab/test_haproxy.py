@@ -36,6 +36,7 @@ from gpubalance.lab.live.haproxy import (
     check,
     find_haproxy,
     render,
+    stat_algorithm,
 )
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -390,6 +391,8 @@ def test_pooled_classes_share_the_workers_slots_and_one_queue(tmp_path: Path) ->
                 assert [status for status, _ in answers] == [200] * 3
                 rows = {s.svname: s for s in haproxy.api.show_stat("be_pool")}
                 assert (rows["s1"].smax, rows["s2"].smax, rows["BACKEND"].stot) == (1, 1, 3)
+                # the balance algorithm, which tells the controller how weights route
+                assert rows["BACKEND"].algo == stat_algorithm("pooled") == "leastconn"
 
     asyncio.run(scenario())
 

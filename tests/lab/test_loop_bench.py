@@ -74,6 +74,7 @@ def test_the_observer_shows_the_router_as_haproxy_would(tmp_path: Path) -> None:
     balancer = LabBalancer(run)
     observed = observed_from(balancer.show_servers_state(), balancer.show_stat(), 0.0)
     assert sorted(observed.servers) == ["be_default/w0", "be_default/w1"]
+    assert observed.algorithms == {"be_default": "leastconn"}
     w0 = observed.servers["be_default/w0"]
     assert (w0.admin, w0.weight, w0.initial_weight, w0.up) == ("ready", 1, 1, True)
     assert w0.sessions == run.by_name["w0"].in_flight
