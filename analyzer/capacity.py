@@ -5,10 +5,12 @@ measured in the windows in which its queue holds at least a batch and it is busy
 batches`` ≥ ``saturated_queue_batches``, utilization ≥ ``saturated_utilization_ratio``); then
 the batches run full, and what it completes is what it can. A GPU with few such windows is
 shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows' worth of the
-peers' figure); one with none takes its peers' figure, else its own best rate per busy second
-(completions over utilization), a lower bound: partial batches serve fewer requests per busy
-second than full ones, so that GPU's ρ is an upper bound (``measured`` is False). Where neither
-exists the capacity is None: the telemetry cannot say.
+peers' figure); one with none takes its peers' figure, else what its card's full batches cost
+it (``fitted``: the features' line through its card's batch times against their sizes, as
+``rho_fitted_ratio`` reads it; never below its busy rate), else its own best rate per busy
+second (completions over utilization), a lower bound: partial batches serve fewer requests
+per busy second than full ones, so that GPU's ρ is an upper bound (``measured`` is False).
+Where none exists the capacity is None: the telemetry cannot say.
 
 The **offered** load of a GPU is what arrived for it: its completions, plus its KV allocation
 failures (work that came and failed), plus the growth of its queue, per second, over the
@@ -32,7 +34,7 @@ from typing import Literal
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.frames import GpuFrame
 
-CapacitySource = Literal["saturated", "shrunk", "peers", "busy_rate", "none"]
+CapacitySource = Literal["saturated", "shrunk", "peers", "fitted", "busy_rate", "none"]
 # saturated windows a GPU needs before its capacity counts as measured rather than guessed
 MEASURED_WINDOWS = 3
 
@@ -68,7 +70,7 @@ class GpuCapacity:
     def measured(self) -> bool:
         """Whether the capacity was measured with work waiting (here or on a same-card peer),
         not only bounded from below by the busy rate."""
-        return self.source in ("saturated", "shrunk", "peers")
+        return self.source in ("saturated", "shrunk", "peers", "fitted")
 
     @property
     def confidence(self) -> float:
@@ -77,6 +79,7 @@ class GpuCapacity:
             "saturated": 1.0,
             "shrunk": 0.5 + 0.5 * min(1.0, self.saturated_windows / MEASURED_WINDOWS),
             "peers": 0.6,
+            "fitted": 0.5,
             "busy_rate": 0.3,
             "none": 0.0,
         }[self.source]
@@ -110,11 +113,13 @@ class CapacityModel:
         # a damaged recording's NaN or infinite figure is unknown here, as everywhere
         table = FeatureTable(tuple(_finite(f) for f in table.frames), table.values, table.columns)
         queue = table.column("queue_batches")
+        fitted_rho = table.column("rho_fitted_ratio")
         rows: dict[tuple[str, str], list[int]] = {}
         for i, frame in enumerate(table.frames):
             rows.setdefault((frame.host, frame.uuid), []).append(i)
         own: dict[tuple[str, str], list[float]] = {}
         busy_rate: dict[tuple[str, str], float] = {}
+        fitted: dict[tuple[str, str], float] = {}
         latest: dict[tuple[str, str], GpuFrame] = {}
         offered: dict[tuple[str, str], float | None] = {}
         full_clock: dict[tuple[str, str], list[float]] = {}
@@ -152,6 +157,18 @@ class CapacityModel:
             ]
             if rates:
                 busy_rate[key] = max(rates)
+            # what a full batch costs it, fitted from its card's batch times against their
+            # sizes (the features' rho_fitted_ratio is completions times that cost)
+            per_request = [
+                f.completions_per_second / fitted_rho[i]
+                for i in live[-self.history_windows :]
+                if (f := table.frames[i]).completions_per_second
+                and math.isfinite(fitted_rho[i])
+                and fitted_rho[i] > 0
+                and _throttled(f) == now_throttled
+            ]
+            if per_request:
+                fitted[key] = statistics.median(per_request)
             latest[key] = table.frames[indices[-1]]
             # a GPU keeps its pool while its worker is down (its frames name no queue then)
             pools[key] = next(
@@ -176,7 +193,7 @@ class CapacityModel:
             card = by_card.get((frame.host, pools[key], frame.card), {})
             # a throttled card is not its full-clock peers: only its own windows speak for it
             peers = [] if throttled[key] else [v for other, v in card.items() if other != key]
-            capacity, source = self._capacity(mine, peers, busy_rate.get(key))
+            capacity, source = self._capacity(mine, peers, fitted.get(key), busy_rate.get(key))
             self.gpus_[key] = GpuCapacity(
                 host=frame.host,
                 gpu=frame.gpu,
@@ -193,7 +210,11 @@ class CapacityModel:
         return self
 
     def _capacity(
-        self, mine: list[float], peers: list[float], busy_rate: float | None
+        self,
+        mine: list[float],
+        peers: list[float],
+        fitted: float | None,
+        busy_rate: float | None,
     ) -> tuple[float | None, CapacitySource]:
         if mine and len(mine) >= MEASURED_WINDOWS:
             return statistics.median(mine), "saturated"
@@ -207,6 +228,9 @@ class CapacityModel:
             return shrunk, "shrunk"
         if peers:
             return statistics.median(peers), "peers"
+        if fitted:
+            # never below what it has served per busy second
+            return max(fitted, busy_rate or 0.0), "fitted"
         if busy_rate:
             return busy_rate, "busy_rate"
         return None, "none"
