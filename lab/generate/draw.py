@@ -341,11 +341,15 @@ class Builder:
         sessions: tuple[str, int, float] | None = None,
     ) -> dict[str, float]:
         """Share of a pool's requests each worker gets, as the ground truth splits them:
-        capacity-aware policies by capacity, weighted round robin by weight, sticky by the
+        capacity-aware policies by capacity (least connections by weight times capacity),
+        weighted round robin by weight, sticky by the
         sessions' CRC32 targets (``sessions``: source name, count, Zipf skew), else evenly."""
         policy = self.router["policy"]
         names = [w.name for w in workers]
-        if policy in CAPACITY_AWARE:
+        if policy == "least_connections":
+            # weight times capacity (the cap at a load of 1 that moves the rest is left out)
+            raw = {n: (weights or {}).get(n, 1.0) / costs[n] for n in names}
+        elif policy in CAPACITY_AWARE:
             raw = {n: 1.0 / costs[n] for n in names}
         elif policy == "weighted_round_robin":
             raw = {n: (weights or {}).get(n, 1.0) for n in names}

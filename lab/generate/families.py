@@ -144,10 +144,18 @@ def balanced_pool(b: Builder) -> None:
 
 
 def weighted_skew(b: Builder) -> None:
-    mode = b.mode(("like cards", "mixed cards, the slowest weighted heavy"))
-    b.gpus(2, 8, mix="same" if mode == "like cards" else "mixed")
-    b.router = {"policy": "weighted_round_robin"}
-    b.note("policy", "weighted_round_robin")
+    mode = b.mode(
+        (
+            "like cards",
+            "mixed cards, the slowest weighted heavy",
+            "least connections, a weight left heavy",
+        )
+    )
+    leastconn = mode.startswith("least")
+    b.gpus(2, 8, mix="same" if mode == "like cards" else "mixed" if not leastconn else "any")
+    policy_name = "least_connections" if leastconn else "weighted_round_robin"
+    b.router = {"policy": policy_name}
+    b.note("policy", policy_name)
     batch, delay = b.batching()
     b.place(b.model(), batch, delay)
     s = stream(b)
@@ -157,16 +165,18 @@ def weighted_skew(b: Builder) -> None:
     rate = load * capacity(costs)
     names = [w.name for w in b.workers]
     order = [names[int(i)] for i in b.rng.permutation(len(names))]
-    if mode != "like cards":  # weights set per server, not per speed
+    if mode.startswith("mixed"):  # weights set per server, not per speed
         order.sort(key=lambda n: -costs[n])
     heavy = order[: 2 if len(names) > 3 and b.chance(0.3) else 1]
     weights = {n: 1.0 if b.chance(0.5) else b.uniform(0.5, 2, 2) for n in names if n not in heavy}
-    # the heavy workers' weight puts them at a load of 0.9-1.8: the default target
+    # the heavy workers' weight puts them at a load of 0.9-1.8: the default target (under
+    # least connections a server is sent its weight times its capacity, up to a load of 1)
     target = b.uniform(0.9, 1.8, 2)
     share = min(0.95, sum(target / (rate * costs[n]) for n in heavy))
-    light = sum(weights.values())
+    speed = {n: 1.0 / costs[n] if leastconn else 1.0 for n in names}
+    light = sum(weights[n] * speed[n] for n in weights)
     for n in heavy:
-        weights[n] = sig(max(1.5, share * light / (1 - share) / len(heavy)), 2)
+        weights[n] = sig(max(1.5, share * light / (1 - share) / len(heavy) / speed[n]), 2)
     b.router["weights"] = {n: weights[n] for n in names}
     b.note("weights", ", ".join(f"{n} {weights[n]:g}" for n in names))
     b.note("load", load)
@@ -814,8 +824,9 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "weighted-skew",
-            "weighted round robin with one or two workers weighted to 0.9-1.8 of their capacity "
-            "while the fleet as a whole is at 0.25-0.65",
+            "weighted round robin, or least connections with weights left over, with one or two "
+            "workers weighted to 0.9-1.8 of their capacity while the fleet as a whole is at "
+            "0.25-0.65",
             ("starved/routing_skew", "overloaded/routing_skew", "overloaded/slow_card"),
             weighted_skew,
         ),
