@@ -469,10 +469,13 @@ def assert_agreement(
                 mismatches.append(f"{uuid} window {k} {name}: {mine} vs {values}")
     assert not mismatches, f"features differ (frames in {kept}):\n" + "\n".join(mismatches)
 
-    # the ranking: which GPU queues most and which works most; GPUs whose levels differ by
-    # less than the margin may swap places
+    # the ranking: which GPU queues most and which works most, over the windows both sides
+    # have whole (the snapshots' first window, which the history starts inside, is a few
+    # samples of start-up: with it, two like GPUs once differed by more than the margin on
+    # one side only); GPUs whose levels differ by less than the margin may swap places
+    both = [snapshots[key] for key in compared], [scraped[key] for key in compared]
     for name, margin in (("queue_depth_mean", 0.5), ("utilization_mean_ratio", 0.05)):
-        snap, prom = _level(snapshot_frames, name), _level(prometheus_frames, name)
+        snap, prom = _level(both[0], name), _level(both[1], name)
         assert max(snap, key=snap.__getitem__) == max(prom, key=prom.__getitem__), (name, snap)
         for a in snap:
             for b in snap:
