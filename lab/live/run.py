@@ -47,7 +47,7 @@ from gpubalance.lab.live import haproxy
 from gpubalance.lab.live.loadgen import send_all
 from gpubalance.lab.live.locks import FileLock, FileSemaphore
 from gpubalance.lab.live.procfs import write_procfs
-from gpubalance.lab.live.worker import Shared, WorkerConfig, config_json
+from gpubalance.lab.live.worker import PORT_TAKEN_EXIT, Shared, WorkerConfig, config_json
 from gpubalance.lab.live.worker import main as worker_main
 from gpubalance.lab.routing import sticky_target
 from gpubalance.lab.scenario import Event, Plan, PlannedWorker
@@ -59,8 +59,14 @@ log = logging.getLogger(__name__)
 SCRAPED_FORMATS = ("vllm", "triton", "tgi")  # the workers' /metrics formats the exporter scrapes
 STATE_PERIOD_SECONDS = 0.25  # how often the driver state and procfs tree are rewritten
 BUILD_DIR = Path("build") / "fakenvml"
+# one start-up probe of a worker's /healthz
+READY_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # HAProxy weights are integers 0..256: the lab's float weights are scaled to this maximum
 MAX_WEIGHT = 100
+
+
+class PortTakenError(RuntimeError):
+    """A worker found its port taken as it started."""
 
 
 def free_port() -> int:
@@ -177,16 +183,44 @@ class LiveLab:
         for name in names:
             url = f"http://127.0.0.1:{self.configs[name].port}/healthz"
             while True:
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with session.get(url) as resp:
+                # a port held by something else may take the connection and never answer
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with session.get(url, timeout=READY_PROBE_TIMEOUT) as resp:
                         if resp.status == 200:
                             break
                 if not self.processes[name].is_alive():
                     code = self.processes[name].exitcode
+                    if code == PORT_TAKEN_EXIT:
+                        raise PortTakenError(f"worker {name}: port {self.configs[name].port}")
                     raise RuntimeError(f"worker {name} exited during start-up (exit code {code})")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {name} did not answer within 60 s")
                 await asyncio.sleep(0.05)
+
+    async def _start_up(
+        self, session: aiohttp.ClientSession, library_dir: Path, tries: int = 3
+    ) -> None:
+        """Wait for the spawned workers; one whose port another process took between its
+        choice and the worker's bind (an outgoing connection's, on a busy host) gets another
+        port and starts again: HAProxy is configured only once they all answer, and an
+        exporter already running starts again with the new endpoints to scrape."""
+        moved = False
+        for name in self.configs:
+            for attempt in range(1, tries + 1):
+                try:
+                    await self._wait_ready(session, [name])
+                    break
+                except PortTakenError as exc:
+                    if attempt == tries:
+                        raise RuntimeError(f"{exc} was taken {tries} times in a row") from None
+                    log.info("%s was taken; starting it on another port", exc)
+                    self.configs[name] = replace(self.configs[name], port=free_port())
+                    self._spawn(name)
+                    moved = True
+        if moved and self.exporter is not None:
+            self.exporter.process.terminate()
+            self.exporter.process.wait(timeout=10)
+            self.exporter = self._start_exporter(library_dir)
 
     def _haproxy_config(self) -> haproxy.HaproxyConfig:
         router = self.plan.scenario.router
@@ -511,7 +545,7 @@ class LiveLab:
             for name in self.configs:
                 self._spawn(name)
             async with aiohttp.ClientSession() as session:
-                await self._wait_ready(session, list(self.configs))
+                await self._start_up(session, library_dir)
                 figures = await self._poll(session)
                 self.last_sample, _ = self.telemetry.sample(
                     STATE_PERIOD_SECONDS, STATE_PERIOD_SECONDS, figures, {}, self.clock, self.lost

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
+import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -399,13 +401,24 @@ async def _serve(config: WorkerConfig, shared: Shared) -> None:
         worker.otlp.shutdown()
 
 
+# the exit code of a worker whose port another process took before it could bind it (the
+# lab picks a free port, then the worker starts and binds it): the lab picks another
+PORT_TAKEN_EXIT = 98
+
+
 def main(config_json: str, shared: Shared) -> None:
     """Process entry point (multiprocessing, spawn)."""
     config = WorkerConfig(**json.loads(config_json))
     # the name shows in ps, /proc/<pid>/comm and the exporter's process attribution
     with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/comm", "w") as comm:
         comm.write(f"lab-{config.name}"[:15])
-    asyncio.run(_serve(config, shared))
+    try:
+        asyncio.run(_serve(config, shared))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"lab worker {config.name}: port {config.port} is taken", file=sys.stderr)
+        sys.exit(PORT_TAKEN_EXIT)
 
 
 def config_json(config: WorkerConfig) -> str:

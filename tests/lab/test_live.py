@@ -4,8 +4,11 @@ exporter's window to lie inside the run (`harness.run_live`), never for a fixed 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import shutil
+import socket
 import statistics
 import urllib.request
 from collections import Counter
@@ -15,7 +18,9 @@ from typing import Any
 import pytest
 from harness import Metrics, run_live, scrape
 
+from gpubalance.lab import traffic
 from gpubalance.lab.live.run import LiveLab
+from gpubalance.lab.scenario import Scenario, plan
 
 pytestmark = [
     pytest.mark.live,
@@ -187,3 +192,31 @@ def test_serving_signals_at_the_exporter_agree_with_the_lab(fakenvml_dir: Path) 
         assert delay == pytest.approx(lab_delay, rel=0.10, abs=0.005), (gpu, delay, lab_delay)
         # /metrics carries the same queues, on the right GPU
         assert metrics.has("gpubalance_queue_depth", gpu=str(gpu), source=served["source"])
+
+
+def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
+    # the lab picks each worker's port, then the worker binds it: on a busy host an outgoing
+    # connection can take the port in between (seen once in a CI run); held here by a listener
+    data = scenario(duration_seconds=4)
+    the_plan = plan(Scenario.model_validate(data))
+    requests = traffic.generate(the_plan.scenario.traffic, 4.0, the_plan.scenario.seed)
+    lab = LiveLab(
+        the_plan, requests, 4.0, start_exporter=True, build_dir=fakenvml_dir, keep_files=True
+    )
+    try:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            taken = holder.getsockname()[1]
+            lab.configs["w1"] = dataclasses.replace(lab.configs["w1"], port=taken)
+            records, _ = asyncio.run(lab.run())
+        moved = lab.configs["w1"].port
+        assert moved != taken
+        assert len(records) == len(requests)
+        assert {r.outcome for r in records} == {"ok"}
+        assert {r.worker for r in records} == {"w0", "w1", "w2"}
+        # the exporter, started before the workers, was started again to scrape the new port
+        scraped = (lab.run_dir / "exporter.yaml").read_text()
+        assert f"127.0.0.1:{moved}/metrics" in scraped and f":{taken}/" not in scraped
+    finally:
+        shutil.rmtree(lab.run_dir, ignore_errors=True)
