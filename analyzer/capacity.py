@@ -157,9 +157,10 @@ class CapacityModel:
             ]
             if rates:
                 busy_rate[key] = max(rates)
-            # what a full batch costs it, fitted from its card's batch times against their
-            # sizes (the features' rho_fitted_ratio is completions times that cost)
-            per_request = [
+            # one over what a full batch costs it per request, fitted from its card's batch
+            # times against their sizes (the features' rho_fitted_ratio is completions times
+            # that cost)
+            at_full_batches = [
                 f.completions_per_second / fitted_rho[i]
                 for i in live[-self.history_windows :]
                 if (f := table.frames[i]).completions_per_second
@@ -167,8 +168,8 @@ class CapacityModel:
                 and fitted_rho[i] > 0
                 and _throttled(f) == now_throttled
             ]
-            if per_request:
-                fitted[key] = statistics.median(per_request)
+            if at_full_batches:
+                fitted[key] = statistics.median(at_full_batches)
             latest[key] = table.frames[indices[-1]]
             # a GPU keeps its pool while its worker is down (its frames name no queue then)
             pools[key] = next(

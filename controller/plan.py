@@ -33,6 +33,7 @@ met.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -287,9 +288,7 @@ def _per_connection(
     capacity for a GPU with a share, the shares as they are."""
     capacity = rec.expected.capacity_per_second if rec.expected is not None else {}
     gpu_of = {str(item["worker"]): item.get("gpu") for item in items}
-    workers_on: dict[object, int] = {}
-    for gpu in gpu_of.values():
-        workers_on[gpu] = workers_on.get(gpu, 0) + 1
+    workers_on = Counter(gpu_of.values())
     out: dict[str, float] = {}
     for worker, share in shares.items():
         gpu = gpu_of[worker]

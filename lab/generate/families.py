@@ -144,15 +144,15 @@ def balanced_pool(b: Builder) -> None:
 
 
 def weighted_skew(b: Builder) -> None:
-    mode = b.mode(
-        (
-            "like cards",
-            "mixed cards, the slowest weighted heavy",
-            "least connections, a weight left heavy",
-        )
-    )
+    # mode -> the cards it draws
+    mixes = {
+        "like cards": "same",
+        "mixed cards, the slowest weighted heavy": "mixed",
+        "least connections, a weight left heavy": "any",
+    }
+    mode = b.mode(tuple(mixes))
     leastconn = mode.startswith("least")
-    b.gpus(2, 8, mix="same" if mode == "like cards" else "mixed" if not leastconn else "any")
+    b.gpus(2, 8, mix=mixes[mode])
     policy_name = "least_connections" if leastconn else "weighted_round_robin"
     b.router = {"policy": policy_name}
     b.note("policy", policy_name)
