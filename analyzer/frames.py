@@ -86,6 +86,10 @@ class GpuFrame:
     # mean over the window of the fullest KV cache among the GPU's queues (vLLM's
     # kv_cache_usage_perc, TensorRT-LLM's used blocks): None where no queue reports it
     kv_cache_usage_ratio: float | None = None
+    # the largest batch limit its queues' servers are configured with (the exporter's
+    # max_batch_size of an endpoint, an OTLP worker's gpubalance.batch.size.limit): None
+    # where none says
+    max_batch_size: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -365,6 +369,7 @@ def _gpu_frame(
         stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
         class_duration_ratio=serving.class_duration_ratio(),
         kv_cache_usage_ratio=serving.kv_usage_mean,
+        max_batch_size=serving.max_batch_size,
     )
 
 
@@ -395,6 +400,7 @@ class _ServingFigures:
         totals: list[tuple[float, float]] = []
         running: list[float] = []
         kv_usage: list[float] = []
+        limit: float | None = None
         classes: set[str] = set()
         for sample in samples:
             depth: float | None = None
@@ -413,6 +419,8 @@ class _ServingFigures:
                     run = (run or 0.0) + serving.running
                 if serving.kv_cache_usage_ratio is not None:
                     kv = max(kv or 0.0, serving.kv_cache_usage_ratio)
+                if serving.max_batch_size is not None:
+                    limit = max(limit or 0.0, serving.max_batch_size)
             if depth is not None:
                 totals.append((sample.timestamp_seconds, depth))
             if run is not None:
@@ -420,6 +428,7 @@ class _ServingFigures:
             if kv is not None:
                 kv_usage.append(kv)
         self.queues = len(self.series)
+        self.max_batch_size = limit
         depths = [d for _, d in totals]
         self.depth_mean = _mean(depths)
         self.depth_max = max(depths) if depths else None
@@ -589,6 +598,7 @@ def _lab_frame(
         feeder_cpu_cores_max=max(values("worker_cpu_cores"), default=None),
         # a frames.csv written before the column: unknown
         kv_cache_usage_ratio=_mean(values("kv_cache_usage_ratio")),
+        max_batch_size=max(values("max_batch_size"), default=None),
         feeder_read_bytes_per_second=None,
         host_cpu_busy_ratio=None,
         host_cpu_pressure_ratio=None,

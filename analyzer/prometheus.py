@@ -157,6 +157,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
         "clock": f"avg_over_time({clock}[{w}]) / last_over_time({max_clock}[{w}])",
         "power": f"avg_over_time({power}[{w}]) / avg_over_time({limit}[{w}])",
         "temperature": f"avg_over_time({select('gpubalance_gpu_temperature_celsius')}[{w}])",
+        # the largest batch limit of the GPU's queues (a gauge of each queue, max by GPU)
+        "max_batch_size": f"max_over_time({select('gpubalance_batch_size_limit')}[{w}])",
     }
     per_queue = {
         "queue_depth": f"avg_over_time({depth}[{w}])",
@@ -688,6 +690,7 @@ class _Assembly:
             "throttled_ratio": np.where(whole, self.gpu("throttled_last"), self.gpu("throttled")),
             "power_ratio": self.gpu("power"),
             "temperature_celsius": self.gpu("temperature"),
+            "max_batch_size": self.gpu("max_batch_size"),
         }
 
     def _host_figures(self) -> dict[str, np.ndarray]:

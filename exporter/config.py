@@ -32,6 +32,13 @@ class ServingEndpoint(BaseModel):
         None, description="GPUs of a multi-GPU server, by rank (SGLang tp_rank, vLLM engine)"
     )
     service_class: str | None = Field(None, alias="class", description="class label")
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="the server's batch limit in requests (vLLM --max-num-seqs, TGI "
+        "--max-batch-size, Triton max_batch_size, SGLang --max-running-requests): no serving "
+        "stack exports it, and the analyzer's capacity estimates are sharper with it",
+    )
 
     @field_validator("url")
     @classmethod

@@ -1,8 +1,8 @@
 """Report a custom Python serving worker's queue to the gpubalance exporter over OTLP.
 
 Workers that no scrape adapter understands (Triton, vLLM, TGI and SGLang have one) push five
-metrics to ``POST /v1/metrics`` on the exporter's OTLP listener (``127.0.0.1:4318`` unless
-``exporter.serving.otlp.listen`` says otherwise)::
+metrics (and, when given one, their batch limit) to ``POST /v1/metrics`` on the exporter's OTLP
+listener (``127.0.0.1:4318`` unless ``exporter.serving.otlp.listen`` says otherwise)::
 
     from gpubalance.instrument import ServingMetrics
 
@@ -53,7 +53,9 @@ class ServingMetrics:
 
     ``worker`` becomes ``service.instance.id``; pass the name the exporter's configuration knows
     the worker by (default: host name and process id). ``gpu_uuid`` and ``gpu_index`` say which
-    GPU serves the queue, ``service_class`` its class of service.
+    GPU serves the queue, ``service_class`` its class of service, ``max_batch_size`` the most
+    requests the worker puts in one batch (pushed as ``gpubalance.batch.size.limit``: the
+    analyzer's capacity estimates are sharper with it).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class ServingMetrics:
         gpu_index: int | None = None,
         service_class: str | None = None,
         export_interval_seconds: float = 1.0,
+        max_batch_size: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.worker = worker
@@ -120,6 +123,14 @@ class ServingMetrics:
             unit="{failure}",
             description="GPU memory allocations that failed (CUDA out of memory)",
         )
+        if max_batch_size is not None:
+            limit = Observation(max_batch_size)
+            meter.create_observable_gauge(
+                "gpubalance.batch.size.limit",
+                callbacks=[lambda options: (limit,)],
+                unit="{request}",
+                description="The most requests the worker puts in one batch",
+            )
         self._closed = False
 
     def set_queue_depth(self, n: float) -> None:

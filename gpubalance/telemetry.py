@@ -205,6 +205,9 @@ class ServingMeasures:
     request_duration_seconds_count: float | None = None
     allocation_failures_total: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # the most requests the server puts in one batch, as configured (vLLM --max-num-seqs, TGI
+    # --max-batch-size, Triton's max_batch_size, SGLang --max-running-requests)
+    max_batch_size: float | None = None
 
     def measures(self) -> dict[str, float | None]:
         """The measures alone, to carry them onto another serving type."""

@@ -234,6 +234,7 @@ class Telemetry:
             kv_cache_usage_ratio=round(f.kv_used_bytes / w.kv_cache_bytes, 6)
             if w.kv_cache_bytes
             else None,
+            max_batch_size=float(w.max_batch_size),
         )
         if not f.classes:
             return [whole]
@@ -321,6 +322,8 @@ class Telemetry:
                 ),
                 default="",
             ),
+            # the largest batch limit of the GPU's workers, as the exporter's config states it
+            "max_batch_size": max((w.max_batch_size for w in mine), default=""),
         }
 
     def _host(self, end: float, period: float, figures: Mapping[str, WorkerFigures]) -> HostSample:

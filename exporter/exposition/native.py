@@ -428,6 +428,13 @@ def add_serving(out: Exposition, view: View) -> None:
             s.kv_cache_usage_ratio,
             labels,
         )
+        out.add(
+            "gpubalance_batch_size_limit",
+            G,
+            "The most requests the server puts in one batch, as configured.",
+            s.max_batch_size,
+            labels,
+        )
     for status in view.sample.serving_sources:
         labels = {"source": status.source, "endpoint": status.endpoint}
         out.add(

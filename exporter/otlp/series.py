@@ -1,12 +1,13 @@
 """From decoded OTLP metrics to stored series: one per (worker, class, tenant, GPU).
 
-Five metrics are known, the rest ignored:
+Six metrics are known, the rest ignored:
 
 - ``gpubalance.queue.depth``: Gauge or UpDownCounter (non-monotonic Sum) -> queue_depth
 - ``gpubalance.batch.assembly_delay``: Histogram in seconds -> batch_assembly_delay_seconds_*
 - ``gpubalance.batch.size``: Histogram -> batch_size_sum, batch_size_count
 - ``gpubalance.request.duration``: Histogram in seconds -> request_duration_seconds_*
 - ``gpubalance.memory.allocation_failures``: Counter (monotonic Sum) -> allocation_failures_total
+- ``gpubalance.batch.size.limit``: Gauge -> max_batch_size (the worker's configured batch limit)
 
 Attributes come from the data point, else the resource: ``service.instance.id`` (the worker;
 "unknown" when missing), ``gpubalance.class``, ``gpubalance.tenant``, ``gpu.uuid`` and
@@ -85,6 +86,7 @@ SPECS = {
     "gpubalance.memory.allocation_failures": _Spec(
         frozenset({"counter"}), ("allocation_failures_total",)
     ),
+    "gpubalance.batch.size.limit": _Spec(frozenset({"gauge"}), ("max_batch_size",)),
 }
 
 

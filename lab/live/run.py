@@ -270,6 +270,7 @@ class LiveLab:
                 "format": c.metrics_format,
                 "worker": c.name,
                 "gpu": c.gpu,
+                "max_batch_size": c.max_batch_size,
             }
             for c in self.configs.values()
             if c.metrics_format in SCRAPED_FORMATS

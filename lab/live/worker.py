@@ -385,6 +385,7 @@ async def _serve(config: WorkerConfig, shared: Shared) -> None:
             gpu_uuid=config.gpu_uuid,
             gpu_index=config.gpu,
             export_interval_seconds=0.5,
+            max_batch_size=config.max_batch_size,
         )
     runner = web.AppRunner(worker.app(), access_log=None)
     await runner.setup()

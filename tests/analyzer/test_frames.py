@@ -185,3 +185,25 @@ def test_unknown_is_none_not_zero() -> None:
     # every measured figure can say "the telemetry does not tell"
     for name in ("utilization_mean_ratio", "queue_depth_mean", "feeder_cpu_cores_max"):
         assert "None" in str(names[name])
+
+
+def test_the_batch_limit_reaches_the_frames_from_samples_and_from_frames_csv(
+    skewed: tuple[list[Sample], Path],
+) -> None:
+    samples, out = skewed
+    limits = {w.gpu: float(w.max_batch_size) for w in scenario.load("skewed-heterogeneous").workers}
+    assert limits == {0: 8.0, 1: 8.0, 2: 8.0, 3: 8.0}
+    from_samples = frames_from_samples(
+        samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    with (out / "frames.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    from_csv = frames_from_lab_rows(rows, window_seconds=WINDOW, host="lab")
+    for frames in (list(from_samples), from_csv):
+        assert frames and all(f.max_batch_size == limits[f.gpu] for f in frames)
+    # a frames.csv written before the column: unknown
+    old = [{k: v for k, v in r.items() if k != "max_batch_size"} for r in rows]
+    assert all(
+        f.max_batch_size is None
+        for f in frames_from_lab_rows(old, window_seconds=WINDOW, host="lab")
+    )

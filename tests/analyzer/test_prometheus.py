@@ -559,7 +559,7 @@ def test_credentials_and_options_go_with_every_query(recording: Recording) -> No
     assert len(source.frames(T0, END, WINDOW)) == 13
     server.shutdown()
     # one query per figure (per slowdown reason), for every host at once
-    assert len(server.seen) == 40
+    assert len(server.seen) == 41
     for path, form, headers in server.seen:
         assert path == "/api/v1/query_range"
         assert (headers["Authorization"], headers["X-Scope-OrgID"]) == ("Bearer s3cret", "fleet")

@@ -24,7 +24,7 @@ from aiohttp import web
 from harness import RunningExporter
 
 from gpubalance.exporter.config import ExporterConfig
-from gpubalance.instrument import DEFAULT_ENDPOINT
+from gpubalance.instrument import DEFAULT_ENDPOINT, ServingMetrics
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -139,7 +139,8 @@ exporter:
     timeout: 0.5
     stale_after: {stale_after}
     endpoints:
-      - {{url: "{endpoints.url("vllm")}", format: vllm, worker: vllm-0, gpu: 0, class: chat}}
+      - {{url: "{endpoints.url("vllm")}", format: vllm, worker: vllm-0, gpu: 0, class: chat,
+         max_batch_size: 48}}
       - {{url: "{endpoints.url("vllm-auto")}", format: vllm, worker: vllm-auto}}
       - {{url: "{endpoints.url("triton")}", format: triton, worker: triton-0}}
       - {{url: "{endpoints.url("slow")}", format: tgi, worker: slow}}
@@ -156,6 +157,9 @@ def test_queues_are_mapped_to_their_gpus(start_exporter, endpoints, tmp_path) ->
     assert m.value("gpubalance_batch_running_requests", worker="vllm-0") == 6
     assert m.value("gpubalance_batch_assembly_delay_seconds_sum", worker="vllm-0") == 25
     assert m.value("gpubalance_batch_assembly_delay_seconds_count", worker="vllm-0") == 100
+    # the batch limit no serving stack exports, from the endpoint's configuration
+    assert m.value("gpubalance_batch_size_limit", worker="vllm-0") == 48
+    assert not m.has("gpubalance_batch_size_limit", worker="vllm-auto")
     # found from the process listening on the port: this test process, which holds GPU 1
     assert m.value("gpubalance_queue_depth", worker="vllm-auto", gpu="1") == 17
     # Triton names its GPU
@@ -338,6 +342,17 @@ def otlp_url(exporter: RunningExporter) -> str:
 def test_otlp_listens_on_loopback_4318_by_default_and_instrument_pushes_there() -> None:
     assert ExporterConfig().serving.otlp.listen == "127.0.0.1:4318"
     assert DEFAULT_ENDPOINT == "http://127.0.0.1:4318/v1/metrics"
+
+
+def test_instrument_pushes_the_batch_limit_it_is_given(start_exporter) -> None:
+    exporter = start_exporter(state())
+    with ServingMetrics(otlp_url(exporter), worker="llm-7", gpu_index=1, max_batch_size=24) as m:
+        m.set_queue_depth(3)
+        assert m.flush()
+    ids = {"worker": "llm-7", "gpu": "1", "source": "otlp"}
+    scrape = exporter.wait_for(lambda s: s.has("gpubalance_batch_size_limit", **ids))
+    assert scrape.value("gpubalance_batch_size_limit", **ids) == 24
+    assert scrape.value("gpubalance_queue_depth", **ids) == 3
 
 
 def _certificate(tmp_path: Path) -> tuple[Path, Path]:

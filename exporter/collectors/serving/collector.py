@@ -84,6 +84,9 @@ class ServingCollector:
         gpu = self._gpu(stored, gpus)
         endpoint = self.endpoints.get((stored.source, stored.endpoint))
         service_class = reading.service_class or (endpoint.service_class if endpoint else None)
+        measures = reading.measures()
+        if measures["max_batch_size"] is None and endpoint is not None:
+            measures["max_batch_size"] = endpoint.max_batch_size
         return ServingSample(
             source=stored.source,
             worker=stored.worker,
@@ -92,7 +95,7 @@ class ServingCollector:
             service_class=service_class,
             tenant=reading.tenant,
             queue=reading.key,
-            **reading.measures(),
+            **measures,
         )
 
     def _gpu(self, stored: StoredReading, gpus: _Gpus) -> GpuSample | None:
