@@ -67,6 +67,7 @@ bench: venv system-deps fakenvml
 	$(PY) bench/lab.py
 	$(PY) bench/validation.py
 	$(PY) bench/analyzer.py
+	$(PY) bench/rho_estimates.py
 	$(PY) bench/loop.py
 	$(PY) bench/fuzz.py --exposition $(FUZZ_INPUTS) --otlp $(FUZZ_INPUTS)
 

@@ -63,7 +63,9 @@ class Dataset:
         )
 
 
-def _labelled_rows(example: Example) -> tuple[list[GpuFrame], list[str]]:
+def truth_of_frames(example: Example) -> tuple[list[GpuFrame], list[Any]]:
+    """Run ``example`` at the lab's fast speed: its frames, and each frame's ground-truth row
+    (``gpubalance.lab.truth.TruthRow``; None where the truth has none)."""
     # imported here: only training runs the lab
     from gpubalance.config import validate
     from gpubalance.lab import traffic, truth
@@ -74,20 +76,23 @@ def _labelled_rows(example: Example) -> tuple[list[GpuFrame], list[str]]:
     resolved = plan(scenario, example.name)
     duration = example.duration_seconds or scenario.duration_seconds
     requests = traffic.generate(scenario.traffic, duration, example.seed)
-    rows = truth.compute(resolved, requests, duration)
+    rows = {(round(r.t_start, 6), r.gpu): r for r in truth.compute(resolved, requests, duration)}
     samples: list[Any] = []
     simulate(resolved, requests, example.seed, duration, samples.append)
-    labels = {(round(r.t_start, 6), r.gpu): f"{r.state}/{r.cause}" for r in rows}
-    frames, kept = [], []
-    for frame in frames_from_samples(
-        samples,
-        window_seconds=scenario.truth_window_seconds,
-        interval_seconds=scenario.interval_seconds,
-        origin=ORIGIN_SECONDS,
-    ):
-        frames.append(frame)
-        kept.append(labels.get((round(frame.t_start - ORIGIN_SECONDS, 6), frame.gpu), ""))
-    return frames, kept
+    frames = list(
+        frames_from_samples(
+            samples,
+            window_seconds=scenario.truth_window_seconds,
+            interval_seconds=scenario.interval_seconds,
+            origin=ORIGIN_SECONDS,
+        )
+    )
+    return frames, [rows.get((round(f.t_start - ORIGIN_SECONDS, 6), f.gpu)) for f in frames]
+
+
+def _labelled_rows(example: Example) -> tuple[list[GpuFrame], list[str]]:
+    frames, rows = truth_of_frames(example)
+    return frames, [f"{r.state}/{r.cause}" if r is not None else "" for r in rows]
 
 
 def _featurize(example: Example) -> tuple[FeatureTable, list[str]]:
