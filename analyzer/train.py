@@ -90,17 +90,27 @@ def truth_of_frames(example: Example) -> tuple[list[GpuFrame], list[Any]]:
     return frames, [rows.get((round(f.t_start - ORIGIN_SECONDS, 6), f.gpu)) for f in frames]
 
 
+def _label(row: Any) -> str:
+    return f"{row.state}/{row.cause}" if row is not None else ""
+
+
 def _labelled_rows(example: Example) -> tuple[list[GpuFrame], list[str]]:
     frames, rows = truth_of_frames(example)
-    return frames, [f"{r.state}/{r.cause}" if r is not None else "" for r in rows]
+    return frames, [_label(r) for r in rows]
+
+
+def truth_of_features(example: Example) -> tuple[FeatureTable, list[Any]]:
+    """:func:`truth_of_frames` through the features: the table, and each of its rows' truth
+    row (the table orders its rows pool by pool, not as the frames came)."""
+    frames, rows = truth_of_frames(example)
+    table = FeatureBuilder().transform(frames)
+    by_key = {(f.t_start, f.gpu): row for f, row in zip(frames, rows, strict=True)}
+    return table, [by_key[(f.t_start, f.gpu)] for f in table.frames]
 
 
 def _featurize(example: Example) -> tuple[FeatureTable, list[str]]:
-    frames, labels = _labelled_rows(example)
-    table = FeatureBuilder().transform(frames)
-    by_key = {(f.t_start, f.gpu): label for f, label in zip(frames, labels, strict=True)}
-    ordered = [by_key[(f.t_start, f.gpu)] for f in table.frames]
-    return table, ordered
+    table, rows = truth_of_features(example)
+    return table, [_label(r) for r in rows]
 
 
 def build_dataset(

@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import progress, write_section  # noqa: E402
 
 from gpubalance.analyzer import evaluate, train  # noqa: E402
-from gpubalance.analyzer.features import FeatureBuilder  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "rho_estimates.png"
 ESTIMATES = ("rho_fitted_ratio", "offered_rho_estimate_ratio", "effective_utilization_ratio")
@@ -43,13 +42,10 @@ Pairs = tuple[np.ndarray, np.ndarray]
 
 
 def _pairs(example: train.Example) -> Pairs:
-    frames, rows = train.truth_of_frames(example)
-    table = FeatureBuilder().transform(frames)
-    truth = {(f.t_start, f.gpu): r for f, r in zip(frames, rows, strict=True)}
-    keep = [i for i, f in enumerate(table.frames) if truth[(f.t_start, f.gpu)] is not None]
+    table, rows = train.truth_of_features(example)
+    keep = [i for i, row in enumerate(rows) if row is not None]
     values = np.stack([table.column(name)[keep] for name in ESTIMATES], axis=1)
-    rho = np.array([truth[(table.frames[i].t_start, table.frames[i].gpu)].rho for i in keep])
-    return values, rho
+    return values, np.array([rows[i].rho for i in keep])
 
 
 def _row(label: str, values: np.ndarray, rho: np.ndarray) -> str:
