@@ -130,6 +130,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def held_port() -> socket.socket:
+    """A port on 127.0.0.1 kept for the whole soak by a bound socket that never listens.
+
+    The flapping endpoint closes its listener every few seconds; without this hold, another
+    process (a test running beside the soak, an outgoing connection's ephemeral port) could take
+    the port meanwhile and the endpoint could not listen again. SO_REUSEPORT lets the endpoint's
+    own listeners bind beside the hold; connections while none listens are refused."""
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    hold.bind(("127.0.0.1", 0))
+    return hold
+
+
 # -- GPU processes that come and go --------------------------------------------------------
 
 
@@ -348,7 +361,9 @@ class FlappingVllm:
         )
 
     async def _listen(self) -> None:
-        self.site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
+        self.site = web.TCPSite(
+            self.runner, "127.0.0.1", self.port, reuse_address=True, reuse_port=True
+        )
         await self.site.start()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -993,7 +1008,8 @@ def main() -> int:
     shm = Path("/dev/shm")  # tmpfs: the procfs tree is rewritten 10 times a second
     run_dir = Path(tempfile.mkdtemp(prefix="gpubalance-soak-", dir=shm if shm.is_dir() else None))
     load_before = os.getloadavg()[0]
-    args.serving_port = free_port()
+    port_hold = held_port()
+    args.serving_port = port_hold.getsockname()[1]
     exporter = None
     try:
         procfs = run_dir / "proc"
@@ -1011,6 +1027,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 exporter.process.kill()
                 exporter.process.wait()
+        port_hold.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     fits, problems = verdict(result, args)
     line = summary_line(fits, result, problems)
