@@ -23,7 +23,9 @@ And across the pools of a host:
   it then serves at the capacity the busy pool's GPUs of its card have; when the higher ρ of
   the two pools is lower by ``min_gain_rho`` at least after it (so a move back, which would
   raise it again, is never recommended next), and only when the prediction outlasts the
-  move's model load (``move_load_seconds`` < ``ttl_seconds``). A pool's ρ here is its latest
+  move's model load (``move_load_seconds`` < ``ttl_seconds``). The quiet pool then gets no
+  ``remove_worker``: a GPU another pool of its host needs is moved there, not taken out. A
+  pool's ρ here is its latest
   window's offered load, or its trend where it rises (over the load time for the busy pool,
   the recommendation's horizon for the quiet one), over its GPUs' capacity: the 4-window
   mean the other rules use lags a shifting demand by minutes. At most one per host: a move
@@ -149,30 +151,51 @@ class Recommender:
                 workers[(frame.host, frame.gpu)] = frame.workers
         out: list[Recommendation] = []
         by_host: dict[str, list[_Pool]] = {}
+        # a pool a GPU joined or left within the persistence windows and one more: its verdicts
+        # span the change (a moved GPU's model load, when it serves nothing by design), so it
+        # gets no recommendation until its new shape has held that long
+        reshaped = {
+            host: _reshaped(table, host, self.persistence_windows + 1)
+            for host in {host for host, _ in pools}
+        }
         for (host, pool), members in sorted(pools.items()):
             context = _Pool(
                 self, model, host, pool, members, fleet.get((host, pool)), now_seconds, workers
             )
-            out += context.recommendations()
+            if pool not in reshaped[host]:
+                out += context.recommendations()
             by_host.setdefault(host, []).append(context)
-        for contexts in by_host.values():
-            move = self._move(contexts, table)
+        for host, contexts in by_host.items():
+            move = self._move(contexts, table, reshaped[host])
             if move is not None:
+                # the quiet pool's GPU is wanted by a busy pool of its host: moved, not removed
+                giver = move.parameters["pool"]
+                out = [
+                    r
+                    for r in out
+                    if not (
+                        r.action == "remove_worker"
+                        and r.host == move.host
+                        and r.parameters["pool"] == giver
+                    )
+                ]
                 out.append(move)
         out.sort(key=lambda r: (r.cost_rank, r.host, r.target, r.id))
         return tuple(out)
 
-    def _move(self, pools: Sequence[_Pool], table: FeatureTable) -> Recommendation | None:
-        """The best move of one GPU between two pools of a host, if one is worth it."""
+    def _move(
+        self, pools: Sequence[_Pool], table: FeatureTable, reshaped: set[str]
+    ) -> Recommendation | None:
+        """The best move of one GPU between two pools of a host, if one is worth it;
+        ``reshaped``: the host's pools whose GPUs changed within the persistence windows and one
+        more."""
         if self.move_load_seconds >= self.ttl_seconds:
             return None  # the GPU would still be loading when the prediction lapses
         demand = {p.pool: _Demand.of(table, p) for p in pools}
-        # a pool a GPU joined or left within the persistence windows and one more is judged
-        # on too few windows of its new shape (its load, its capacity): a second move at it
-        # would stack on the first before anyone saw what the first did
-        settled = [
-            p for p in pools if p.pool not in _reshaped(table, p.host, self.persistence_windows + 1)
-        ]
+        # a reshaped pool is judged on too few windows of its new shape (its load, its
+        # capacity): a second move at it would stack on the first before anyone saw what the
+        # first did
+        settled = [p for p in pools if p.pool not in reshaped]
         moves: list[_Move] = []
         for busy in settled:
             queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]

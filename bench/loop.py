@@ -166,9 +166,10 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "Each scenario's cards, workers, pools, traffic, events and server weights are the static "
         "baseline; the policy replaces its balance algorithm (`gpubalance bench loop`). "
         "`controller` is leastconn with the analyzer (the shipped model, capacity-model "
-        "recommender) and the controller acting once per 30 s window, at the controller's "
-        "default guardrails. Latency: arrival to "
-        "answer of the answered requests, in seconds, per class where a scenario has two; "
+        "recommender) judging each 30 s window and the controller passing every 10 s, as "
+        "`gpubalance run` deploys them, at the controller's default guardrails. "
+        "Latency: arrival to answer of the answered requests, in seconds, per class where a "
+        "scenario has two; "
         "IWQ: idle-while-queued over the run (the simulator's truth, below), %; spread: "
         "largest minus smallest GPU's mean "
         "utilization, %; failed: rejected, out of KV memory or lost to a crash; recommended: "
@@ -176,8 +177,9 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "refusals by reason: `unsupported_action` is one it does not carry out); actions: "
         "applied by the controller (`set_weight`, `drain`, `maint`, `ready`, `move`: a GPU "
         "moved to another pool), max/freeze: the most actions one server (or GPU, for moves) "
-        "took within one 60 s freeze. Medians over the seeds, except "
-        "recommended and refused: totals over the seeds.",
+        "took within one 60 s freeze, an action being a recommendation carried out on it (a "
+        "removal's drain and maint, a re-weighting's steps, are one). Medians over the seeds, "
+        "except recommended and refused: totals over the seeds.",
         "",
         "| family | scenario | policy | p50 | p99 | p99 by class | IWQ | spread | failed | "
         "recommended (refused) | actions | max/freeze |",

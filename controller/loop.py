@@ -370,7 +370,8 @@ class Controller:
         # a recommendation's first change carries what it is verified against, for a restart
         before = self.verifier.applied(change, now)
         if before is not None:
-            fields["verify_before_seconds"] = round(before, 6)
+            fields["verify_before_seconds"] = round(before.seconds, 6)
+            fields["verify_before_error_seconds"] = round(before.error_seconds, 6)
         self.audit.record(now, "applied", reason=self.actuator.name, **fields)
         log.info("%s (%s)", _describe(change), change.recommendation_id)
         return True

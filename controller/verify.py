@@ -8,14 +8,20 @@ HAProxy does not have, and a change in demand moves both sides of it.
 
 When a recommendation's last change has stood for `freeze_seconds`, its backend's time in the
 system over that freeze is compared with the same length before its first change; more than
-`undo_worse_ratio` times it, and the recommendation's servers go back to what they were
-before it. The figure before is taken as the first change is made and written with it to the
-audit log (`verify_before_seconds`), so a restarted controller still verifies a change made
-before it (`Verifier.resume`), over the passes it sees of the freeze after it.
+`undo_worse_ratio` times it, and by more than the readings' noise allows (`NOISE_Z` standard
+errors of the difference), and the recommendation's servers go back to what they were before
+it. The noise is real: a pass reads `scur` once, and at a few requests in flight six readings
+of a minute leave the mean uncertain by a quarter or more, so a ratio alone undoes good
+changes by chance. The figure before is taken as the first change is made and written with it
+to the audit log (`verify_before_seconds`, `verify_before_error_seconds`), so a restarted
+controller still verifies a change made before it (`Verifier.resume`), over the passes it
+sees of the freeze after it.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +51,22 @@ def loads(observed: Observed) -> dict[str, Load]:
     return out
 
 
-def time_in_system(history: Sequence[Load], start: float, end: float) -> float | None:
+# a change is worse only when its backend got slower by more than this many standard errors of
+# the difference (about 2.5 % of unchanged backends, by chance, go past it)
+NOISE_Z = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TimeInSystem:
+    """A backend's mean time in the system over a stretch of passes, and its standard error:
+    the in-flight readings' spread over the square root of their count, over the throughput
+    (the served counter is exact; the readings are what is uncertain)."""
+
+    seconds: float
+    error_seconds: float
+
+
+def time_in_system(history: Sequence[Load], start: float, end: float) -> TimeInSystem | None:
     """Mean seconds a request spent in the backend over [start, end] (Little's law); None
     with fewer than two passes there or nothing served."""
     inside = [h for h in history if start <= h.at_seconds <= end]
@@ -56,8 +77,10 @@ def time_in_system(history: Sequence[Load], start: float, end: float) -> float |
     served = last.served - first.served
     if seconds <= 0 or served <= 0:
         return None
-    in_flight = sum(h.in_flight for h in inside) / len(inside)
-    return in_flight / (served / seconds)
+    readings = [h.in_flight for h in inside]
+    throughput = served / seconds
+    error = statistics.stdev(readings) / math.sqrt(len(readings))
+    return TimeInSystem(statistics.fmean(readings) / throughput, error / throughput)
 
 
 @dataclass(slots=True)
@@ -69,18 +92,18 @@ class Watch:
     first_at: float
     last_at: float
     # the backend's mean time in the system over the freeze before the first change
-    before_seconds: float | None = None
+    before: TimeInSystem | None = None
     # each server's value before the recommendation's first change of it: what an undo sets
-    before: dict[tuple[str, ChangeKind], Change] = field(default_factory=dict)
+    firsts: dict[tuple[str, ChangeKind], Change] = field(default_factory=dict)
 
     def add(self, change: Change, now: float) -> None:
         self.last_at = now
-        self.before.setdefault((change.key, change.kind), change)
+        self.firsts.setdefault((change.key, change.kind), change)
 
     def undo(self, observed: Observed) -> list[Change]:
         """The changes that put its servers back as they were, from their state now."""
         out = []
-        for first in self.before.values():
+        for first in self.firsts.values():
             server = observed.servers.get(first.key)
             if server is None:
                 continue  # gone from HAProxy: nothing to put back
@@ -93,17 +116,27 @@ class Watch:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     watch: Watch
-    before_seconds: float
-    after_seconds: float
+    before: TimeInSystem
+    after: TimeInSystem
     worse: bool
 
     @property
     def reason(self) -> str:
         verb = "undone" if self.worse else "kept"
         return (
-            f"{verb}: {self.watch.backend}'s mean time in the system {self.after_seconds:.2f} s "
-            f"over the freeze after it, {self.before_seconds:.2f} s before it"
+            f"{verb}: {self.watch.backend}'s mean time in the system {_text(self.after)} over "
+            f"the freeze after it, {_text(self.before)} before it"
         )
+
+
+def _text(t: TimeInSystem) -> str:
+    return f"{t.seconds:.2f} s (± {t.error_seconds:.2f})"
+
+
+def worse(before: TimeInSystem, after: TimeInSystem, ratio: float) -> bool:
+    """Slower by more than ``ratio`` times, and by more than the readings' noise."""
+    noise = NOISE_Z * math.hypot(before.error_seconds, after.error_seconds)
+    return after.seconds > before.seconds * ratio and after.seconds - before.seconds > noise
 
 
 # how far back a restarted controller looks for changes to verify, in freezes: a recommendation
@@ -143,7 +176,7 @@ class Verifier:
             while kept and kept[0].at_seconds < horizon:
                 kept.popleft()
 
-    def applied(self, change: Change, now: float) -> float | None:
+    def applied(self, change: Change, now: float) -> TimeInSystem | None:
         """Watch the change; for a recommendation's first, the figure it will be judged
         against (for the audit log), else None."""
         watch = self.watches.get(change.recommendation_id)
@@ -155,7 +188,7 @@ class Verifier:
             watch = Watch(change.recommendation_id, change.backend, now, now, before)
             self.watches[change.recommendation_id] = watch
         watch.add(change, now)
-        return watch.before_seconds if first else None
+        return watch.before if first else None
 
     def resume(self, entries: Iterable[Mapping[str, Any]], now: float) -> None:
         """The watches of the audit log's changes not yet verified: its `applied` lines of
@@ -177,8 +210,12 @@ class Verifier:
             at = float(e["at_seconds"])
             watch = found.get(rec_id)
             if watch is None:
-                before = e.get("verify_before_seconds")
-                figure = float(before) if isinstance(before, int | float) else None
+                before, error = e.get("verify_before_seconds"), e.get("verify_before_error_seconds")
+                figure = None
+                if isinstance(before, int | float):
+                    # a line from before the error was logged: judged on the ratio alone
+                    noise = float(error) if isinstance(error, int | float) else 0.0
+                    figure = TimeInSystem(float(before), noise)
                 watch = found[rec_id] = Watch(rec_id, change.backend, at, at, figure)
             watch.add(change, at)
         self.watches.update(found)
@@ -191,9 +228,9 @@ class Verifier:
                 continue
             del self.watches[rec_id]
             history = self.history.get(watch.backend, ())
-            before = watch.before_seconds
+            before = watch.before
             after = time_in_system(history, watch.last_at, watch.last_at + self.freeze_seconds)
             if before is None or after is None:
                 continue
-            out.append(Verdict(watch, before, after, after > before * self.worse_ratio))
+            out.append(Verdict(watch, before, after, worse(before, after, self.worse_ratio)))
         return out

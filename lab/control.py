@@ -4,7 +4,9 @@ The run advances one analysis window at a time. At each window's end the analyze
 service (:class:`~gpubalance.analyzer.service.AnalyzerService`, with the classifier given and
 the capacity model's `Recommender`) reads the run's telemetry samples as it reads an exporter's
 history, and the controller's own loop (:class:`~gpubalance.controller.loop.Controller`: plan,
-guard, audit) takes one pass through three lab parts in place of HAProxy and HTTP:
+guard, audit) takes a pass, and one every controller interval until the next window's end (as
+`gpubalance run` deploys them: windows of 30 s, a pass every 10 s), through three lab parts in
+place of HAProxy and HTTP:
 
 - :class:`LabBalancer`, the observer: the simulated router's servers as HAProxy's `show servers
   state` and `show stat` rows (a backend `be_<pool>` per pool, as the live lab names them; a
@@ -347,9 +349,11 @@ class ClosedLoop:
         return (math.floor(now / self.window_seconds + 1e-9) + 1) * self.window_seconds
 
     def step(self) -> PassReport:
-        """Run to the end of the next window; the analyzer's cycle, then one controller pass,
-        and while a move is in flight, a pass every `move_step_seconds` up to the window's
-        end (a move takes a step per pass)."""
+        """Run to the end of the next window; the analyzer's cycle, then one controller pass;
+        then, up to the next window's end, a pass every controller interval, as the deployed
+        controller passes between the analyzer's windows (`gpubalance run`: windows of 30 s,
+        passes every 10 s), and while a move is in flight, every `move_step_seconds` (a move
+        takes a step per pass). Returns the window's first pass."""
         end = self._next_window_end()
         self.run.advance(end + _AFTER)
         self.service.cycle()
@@ -357,9 +361,12 @@ class ClosedLoop:
             self.recommended[recommendation.id] = recommendation.action
         report = self._pass()
         mover = self.controller.mover
-        while mover is not None and mover.in_flight() is not None:
-            at = self.run.env.now + self.move_step_seconds
-            if at >= self._next_window_end() or at > self.run.duration:
+        next_end = self._next_window_end()
+        while True:
+            moving = mover is not None and mover.in_flight() is not None
+            step = self.move_step_seconds if moving else self.controller.settings.interval_seconds
+            at = self.run.env.now + step
+            if at >= next_end - _AFTER or at > self.run.duration:
                 break
             self.run.advance(at)
             self._pass()
@@ -386,8 +393,9 @@ def closed_loop(
     recommender: Recommender | None = None,
     moves: bool | None = None,
 ) -> ClosedLoop:
-    """Analyzer and controller on ``run`` (started: :meth:`FastRun.start`), one pass per
-    analysis window (the scenario's truth window, as `gpubalance.lab.apply` uses). With
+    """Analyzer and controller on ``run`` (started: :meth:`FastRun.start`), the analyzer's
+    cycle at the end of each analysis window (the scenario's truth window, as
+    `gpubalance.lab.apply` uses), the controller's passes at its settings' interval. With
     ``moves`` (by default: when the scenario has more than one pool) the controller has a
     mover, which moves GPUs between the pools through `LabSupervisor` and `LabActuator`."""
     window = run.scenario.truth_window_seconds

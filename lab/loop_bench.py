@@ -102,16 +102,17 @@ class LoopResult:
     # of them, by reason (each recommendation and reason once)
     recommended: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
-    max_actions_per_freeze: int = 0  # on any one server within freeze_seconds
+    # recommendations carried out on any one server within freeze_seconds (most_actions_per_freeze)
+    max_actions_per_freeze: int = 0
     passes: int = 0
     placement: dict[str, list[int]] = field(default_factory=dict)  # static-best: pool -> GPUs
 
 
-def bench_settings(window_seconds: float) -> Settings:
-    """The controller's settings in the benchmark: its defaults, acting, one pass a window."""
+def bench_settings() -> Settings:
+    """The controller's settings in the benchmark: its defaults (a pass every 10 s), acting."""
     from gpubalance.controller.model import Settings
 
-    return Settings(act=True, interval_seconds=window_seconds)
+    return Settings(act=True)
 
 
 def bench_plan(plan: Plan, policy: str) -> Plan:
@@ -161,7 +162,7 @@ def run_policy(
     passes = 0
     recommended: dict[str, str] = {}
     if policy == "controller":
-        settings = settings or bench_settings(scenario.truth_window_seconds)
+        settings = settings or bench_settings()
         with tempfile.TemporaryDirectory(prefix="gpubalance-loop-") as tmp:
             loop = closed_loop(run, classifier or _shipped(), settings, Path(tmp) / "a.log")
             loop.run_to_end()
@@ -188,7 +189,7 @@ def run_policy(
         actions=dict(sorted(actions.items())),
         recommended=dict(sorted(Counter(recommended.values()).items())),
         refused=dict(sorted(Counter(reason for _, reason in refused).items())),
-        max_actions_per_freeze=_most_per_freeze(applied, settings),
+        max_actions_per_freeze=most_actions_per_freeze(applied, settings),
         passes=passes,
     )
 
@@ -411,14 +412,21 @@ def _latency(values: list[float]) -> Latency:
     return Latency(len(values), float(p50), float(p99))
 
 
-def _most_per_freeze(applied: Sequence[dict[str, Any]], settings: Settings | None) -> int:
-    """The most actions one server took within any one freeze period."""
+def most_actions_per_freeze(applied: Sequence[dict[str, Any]], settings: Settings | None) -> int:
+    """The most actions one server (or GPU) took within any one freeze period: an action is a
+    recommendation carried out on it, counted at its first change there (a removal's drain
+    and maint, a re-weighting's bounded steps, are one action; two recommendations acting on
+    one server within a freeze are two)."""
     if not applied or settings is None:
         return 0
     freeze = settings.freeze_seconds
-    by_target: dict[str, list[float]] = {}
+    first: dict[tuple[str, str], float] = {}
     for entry in applied:
-        by_target.setdefault(str(entry["target"]), []).append(float(entry["at_seconds"]))
+        key = (str(entry["target"]), str(entry["recommendation"]))
+        first[key] = min(first.get(key, math.inf), float(entry["at_seconds"]))
+    by_target: dict[str, list[float]] = {}
+    for (target, _), at in first.items():
+        by_target.setdefault(target, []).append(at)
     most = 0
     for times in by_target.values():
         times.sort()

@@ -371,6 +371,17 @@ def test_a_quiet_pools_least_loaded_gpu_moves_to_the_busy_pool() -> None:
     assert _moves(_by_labels(_two_pools(4), LABELS))[0].id == move.id
 
 
+def test_a_quiet_pool_a_busy_one_takes_a_gpu_from_is_not_also_scaled_in() -> None:
+    # qwen is over-provisioned (both GPUs starved for want of demand): alone, it would give up
+    # a GPU; beside a busy llama the GPU goes to llama instead
+    def of_qwen(found: tuple[Recommendation, ...]) -> list[tuple[str, str]]:
+        return [(r.action, r.target) for r in found if r.parameters["pool"] == "qwen"]
+
+    assert of_qwen(_by_labels(_two_pools(), LABELS)) == [("move_worker", "gpu:2")]
+    idle = LABELS | {0: "balanced/none", 1: "balanced/none"}
+    assert ("remove_worker", "gpu:3") in of_qwen(_by_labels(_two_pools(busy=False), idle))
+
+
 def test_no_move_leaves_the_quiet_pool_busier_than_the_busy_one_was_or_without_a_gpu() -> None:
     # qwen at ρ 0.55 would be at 1.1 on one GPU, above llama's 1.05 now: the move would only
     # move the overload
@@ -415,3 +426,10 @@ def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None
     assert _moves(_by_labels(joined(2), labels)) == []
     # three (persistence 2, and one more): settled, and the least loaded qwen GPU may go
     assert [m.target for m in _moves(_by_labels(joined(3), labels))] == ["gpu:2"]
+
+    # a GPU judged down while its new model loaded is not drained the moment it serves: its
+    # pool gets nothing until its new shape has held the persistence windows and one more
+    down = LABELS | {4: "starved/worker_crash"}
+    for windows in (1, 2):
+        assert not [r for r in _by_labels(joined(windows), down) if r.parameters["pool"] == "qwen"]
+    assert ("drain", "gpu:4") in _actions(_by_labels(joined(3), down))

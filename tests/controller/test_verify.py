@@ -17,7 +17,7 @@ from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.loop import Controller
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Change, Observed, ObservedServer, Settings
-from gpubalance.controller.verify import Load, Verifier, time_in_system
+from gpubalance.controller.verify import Load, TimeInSystem, Verifier, time_in_system, worse
 from gpubalance.diagnosis import Ack, AckStatus, Recommendation
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer
@@ -28,10 +28,23 @@ from gpubalance.lab.loop_bench import bench_plan
 def test_time_in_system_is_the_mean_in_flight_over_the_throughput() -> None:
     # 4 requests in flight on average, 2 served a second: 2 s each
     history = [Load(0.0, 3, 100), Load(10.0, 5, 120), Load(20.0, 4, 140)]
-    assert time_in_system(history, 0.0, 20.0) == pytest.approx(4 / 2)
-    assert time_in_system(history, 10.0, 20.0) == pytest.approx(4.5 / 2)
+    whole = time_in_system(history, 0.0, 20.0)
+    assert whole is not None and whole.seconds == pytest.approx(4 / 2)
+    # readings 3, 5, 4: standard deviation 1, over the root of 3 readings, over 2 a second
+    assert whole.error_seconds == pytest.approx(1 / 3**0.5 / 2)
+    late = time_in_system(history, 10.0, 20.0)
+    assert late is not None and late.seconds == pytest.approx(4.5 / 2)
     assert time_in_system(history, 15.0, 20.0) is None  # one pass: no throughput
     assert time_in_system([Load(0.0, 3, 100), Load(10.0, 3, 100)], 0.0, 10.0) is None
+
+
+def test_slower_within_the_readings_noise_is_not_worse() -> None:
+    # 1.4 times slower, but the readings scatter so that the difference is within 2 errors
+    assert not worse(TimeInSystem(0.50, 0.08), TimeInSystem(0.70, 0.08), 1.25)
+    # the same means, read steadily: worse
+    assert worse(TimeInSystem(0.50, 0.02), TimeInSystem(0.70, 0.02), 1.25)
+    # far past the noise but under the ratio: not worse
+    assert not worse(TimeInSystem(0.50, 0.0), TimeInSystem(0.60, 0.0), 1.25)
 
 
 def test_a_recommendation_is_judged_once_its_freeze_has_passed() -> None:
@@ -49,8 +62,8 @@ def test_a_recommendation_is_judged_once_its_freeze_has_passed() -> None:
     verifier.applied(Change("set_weight", "be", "s0", 200, 100, "r"), 20.0)
     assert verifier.due(39.0) == []
     [verdict] = verifier.due(40.0)
-    assert verdict.worse and verdict.before_seconds == pytest.approx(1.0)
-    assert verdict.after_seconds == pytest.approx(4.67 / 2, rel=0.01)
+    assert verdict.worse and verdict.before.seconds == pytest.approx(1.0)
+    assert verdict.after.seconds == pytest.approx(4.67 / 2, rel=0.01)
     assert verifier.due(50.0) == []  # judged once
 
 
@@ -64,7 +77,7 @@ def test_the_figures_before_a_long_ramp_are_kept_until_it_is_judged() -> None:
         verifier.observe(_at(t + 10.0, 2, 40 + 2 * (t - 10)))
     verifier.observe(_at(210.0, 2, 420))
     [verdict] = verifier.due(210.0)
-    assert verdict.before_seconds == pytest.approx(1.0) and not verdict.worse
+    assert verdict.before.seconds == pytest.approx(1.0) and not verdict.worse
 
 
 def _at(t: float, in_flight: int, served: int) -> Observed:
@@ -173,7 +186,7 @@ def test_a_controller_restarted_within_the_freeze_still_verifies_and_undoes(
     entries, run, _, controller = _bad_reweighting(tmp_path, restart_at=130)
     # the figure it is judged against went to the audit log with the first change
     first = next(e for e in entries if e["decision"] == "applied")
-    assert first["verify_before_seconds"] > 0
+    assert first["verify_before_seconds"] > 0 and first["verify_before_error_seconds"] >= 0
     undone = [e for e in entries if e["decision"] == "undone"]
     assert [(e["target"], e["before"], e["after"]) for e in undone] == [("be_default/w0", 256, 1)]
     assert undone[0]["at_seconds"] == pytest.approx(ORIGIN_SECONDS + 160.0)
