@@ -34,6 +34,9 @@ Prometheus only has what the exporter exposes or what PromQL computes:
   before the first are in no window's mean).
 - ``queue_depth_max`` sums each of the GPU's queues' maxima: equal to the maximum of their sum
   for one queue per GPU, an upper bound otherwise.
+- ``kv_cache_usage_ratio`` is the largest of the GPU's queues' mean KV-cache usage over the
+  window; the snapshot path takes the mean of the largest at each sample (equal for one queue
+  per GPU; with several, the snapshot figure is at least as large).
 - ``sm_clock_ratio`` is the mean SM clock over the last maximum clock, ``power_ratio`` the mean
   power over the mean limit: the snapshot path's mean ratios while the maximum and limit hold.
 - ``host`` is the ``instance`` label (or ``host_label``), not the exporter's ``--hostname``.
@@ -165,6 +168,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
         "queue_depth_max": f"max_over_time({depth}[{w}])",
         "queue_depth_slope": f"deriv({depth}[{w}])",
         "running": f"avg_over_time({select('gpubalance_batch_running_requests')}[{w}])",
+        # a share of one queue's cache: the GPU's is its fullest queue's (not a sum)
+        "kv_cache_usage": f"avg_over_time({select('gpubalance_kv_cache_usage_ratio')}[{w}])",
         "allocation_failures": (
             f"increase({select('gpubalance_memory_allocation_failures_total')}[{w}])"
         ),
@@ -219,6 +224,7 @@ SERVING_QUERIES = (
     "queue_depth_max",
     "queue_depth_slope",
     "running",
+    "kv_cache_usage",
     "allocation_failures",
     *(
         f"{stem}_{part}"
@@ -226,6 +232,11 @@ SERVING_QUERIES = (
         for part in ("sum", "count")
     ),
 )
+
+
+# serving figures that are a share of one queue's resource: a GPU's is its fullest queue's,
+# as the snapshot source takes the largest of its queues' readings
+MAX_ON_GPU = frozenset({"kv_cache_usage"})
 
 
 def parse_matrix(body: Mapping[str, Any], first: float, step: float, steps: int) -> Matrix:
@@ -638,6 +649,13 @@ class _Assembly:
         total[~seen] = np.nan
         return total
 
+    def _max_on_gpus(self, gpu_of: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Per GPU and window, the largest of its series' values (NaN when none has one)."""
+        out = np.full((len(self.gpu_keys), self.steps), -np.inf)
+        np.maximum.at(out, gpu_of, np.where(np.isnan(values), -np.inf, values))
+        out[np.isneginf(out)] = np.nan
+        return out
+
     def _by_pid(self, name: str, pids: list[tuple[str, str]]) -> np.ndarray:
         """A per-process query on the rows of ``pids`` (host, pid)."""
         matrix = self.m[name]
@@ -720,7 +738,10 @@ class _Assembly:
         many, their service classes, their names), by GpuFrame field."""
         series, serving = self._serving()
         gpu_of = np.array([g for g, _ in series], dtype=int)
-        on_gpu = {name: self._sum_on_gpus(gpu_of, values) for name, values in serving.items()}
+        on_gpu = {
+            name: (self._max_on_gpus if name in MAX_ON_GPU else self._sum_on_gpus)(gpu_of, values)
+            for name, values in serving.items()
+        }
         with np.errstate(invalid="ignore", divide="ignore"):
 
             def mean_of(stem: str) -> np.ndarray:
@@ -732,6 +753,7 @@ class _Assembly:
                 "queue_depth_max": on_gpu["queue_depth_max"],
                 "queue_depth_slope_per_second": on_gpu["queue_depth_slope"],
                 "running_mean": on_gpu["running"],
+                "kv_cache_usage_ratio": on_gpu["kv_cache_usage"],
                 "batch_delay_seconds": mean_of("batch_assembly_delay_seconds"),
                 "request_duration_seconds": mean_of("request_duration_seconds"),
                 "batch_size_mean": mean_of("batch_size"),
@@ -839,9 +861,8 @@ class _Assembly:
             stale_sample_count=stale.astype(int).ravel().tolist(),
             # which call a stale GPU hangs in is a label of its stale series; not joined here
             stale_call=[None] * (gpus * n),
-            # per-class request durations and KV cache usage are not among the series queried
+            # per-class request durations are not among the series queried
             class_duration_ratio=[None] * (gpus * n),
-            kv_cache_usage_ratio=[None] * (gpus * n),
             expected_sample_count=each_window([int(e) for e in expected]),
             lost=(lost > 0).ravel().tolist(),
             memory_used_bytes=_objects(self.gpu("memory_used"), int).ravel().tolist(),

@@ -66,6 +66,7 @@ from prometheus_client.exposition import generate_latest
 
 from gpubalance.lab.fakenvml import build_library, write_state
 from gpubalance.lab.live.procfs import write_procfs
+from gpubalance.lab.live.run import free_port
 from gpubalance.telemetry import (
     CpuTimes,
     DiskCounters,
@@ -122,12 +123,6 @@ def otlp_has_own_listener() -> bool:
 def otlp_push_url(scrape_url: str, otlp_listen: str | None) -> str:
     """The one place the push URL is made: the OTLP listener's, or else the scrape port's."""
     return (f"http://{otlp_listen}" if otlp_listen else scrape_url) + "/v1/metrics"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def held_port() -> socket.socket:

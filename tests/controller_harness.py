@@ -49,6 +49,7 @@ from gpubalance.lab.live.haproxy import (
     Server,
     find_haproxy,
 )
+from gpubalance.lab.live.run import free_port
 
 TOKEN = "s3cret-token"
 _ADAPTER: TypeAdapter[list[Recommendation]] = TypeAdapter(list[Recommendation])
@@ -68,12 +69,6 @@ needs_haproxy = [
         not haproxy_installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
     ),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def recommendation(

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -39,6 +38,7 @@ from gpubalance.analyzer.sources import (
     SourceError,
     open_source,
 )
+from gpubalance.lab.live.run import free_port
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prometheus-fleet.json"
 UPDATE = os.environ.get("GPUBALANCE_UPDATE_GOLDEN") == "1"
@@ -169,14 +169,15 @@ def fleet_openmetrics() -> str:
             # queue by index alone (a source without UUIDs), 2 requests/s
             done = 1000 + 10 * t if j < 21 else 10 * (t - 107) + 50
             w0 = {"gpu": "0", "uuid": "GPU-a0", "worker": "w0", "class": "interactive"}
-            queues = [({**w0, "source": "vllm"}, 4.0 + j % 3, 8.0, done)]
+            queues = [({**w0, "source": "vllm"}, 4.0 + j % 3, 8.0, done, 0.5 + 0.05 * (j % 3))]
             if window < 4:
                 w1 = {"gpu": "1", "uuid": "", "worker": "w1", "class": "batch"}
-                queues.append(({**w1, "source": "triton"}, 0.0, 1.0, 200 + 2 * t))
-            for labels, depth, running, requests in queues:
+                queues.append(({**w1, "source": "triton"}, 0.0, 1.0, 200 + 2 * t, 0.1))
+            for labels, depth, running, requests, kv in queues:
                 queue = {**job, **labels, "queue": "llama"}
                 add("gpubalance_queue_depth", queue, depth, j)
                 add("gpubalance_batch_running_requests", queue, running, j)
+                add("gpubalance_kv_cache_usage_ratio", queue, kv, j)
                 add("gpubalance_request_duration_seconds_count", queue, requests, j)
                 add("gpubalance_request_duration_seconds_sum", queue, 0.5 * requests, j)
                 add("gpubalance_batch_assembly_delay_seconds_count", queue, requests, j)
@@ -290,12 +291,6 @@ def replayed(recording: Recording) -> Iterator[str]:
     server = replay(recording)
     yield server.url
     server.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def record(tmp_path: Path) -> dict[str, Any]:
@@ -437,6 +432,7 @@ def test_gauges_and_counters_of_a_gpu(fleet: dict[tuple[str, str, int], GpuFrame
     assert f.queue_depth_mean == pytest.approx(5.0)
     assert f.queue_depth_max == 6.0
     assert f.running_mean == pytest.approx(8.0)
+    assert f.kv_cache_usage_ratio == pytest.approx(0.55)
     assert f.completions_per_second == pytest.approx(10.0)
     assert f.request_duration_seconds == pytest.approx(0.5)
     assert f.batch_delay_seconds == pytest.approx(0.02)
@@ -455,6 +451,7 @@ def test_a_queue_without_uuid_lands_on_its_gpu_by_index(
 ) -> None:
     f = fleet[(A, "GPU-a1", 0)]
     assert (f.serving_queues, f.service_classes, f.queue_depth_mean) == (1, ("batch",), 0.0)
+    assert f.kv_cache_usage_ratio == pytest.approx(0.1)  # its own queue's, not GPU 0's
     assert f.completions_per_second == pytest.approx(2.0)
     assert f.feeder_cpu_cores_max == pytest.approx(0.25)
     assert f.feeder_read_bytes_per_second is None  # its I/O counters were unreadable
@@ -559,7 +556,7 @@ def test_credentials_and_options_go_with_every_query(recording: Recording) -> No
     assert len(source.frames(T0, END, WINDOW)) == 13
     server.shutdown()
     # one query per figure (per slowdown reason), for every host at once
-    assert len(server.seen) == 41
+    assert len(server.seen) == 42
     for path, form, headers in server.seen:
         assert path == "/api/v1/query_range"
         assert (headers["Authorization"], headers["X-Scope-OrgID"]) == ("Bearer s3cret", "fleet")

@@ -77,6 +77,7 @@ FRAME_TOLERANCES: dict[str, tuple[float, float]] = {
     "queue_depth_max": (1.0, 0.2),
     "queue_depth_slope_per_second": (0.05, 0),  # plus a share of the queue: see _tolerance
     "running_mean": (0.5, 0.15),
+    "kv_cache_usage_ratio": (0.05, 0.15),
     # increase() sees the window's own samples: the requests of the second before its first
     # scrape (a tenth of them, some 3 of GPU 1's 28) are in no window's mean, where the
     # snapshots difference against the sample before the window
@@ -131,14 +132,12 @@ FEATURE_TOLERANCES.update(
         if "rho" in name or name.startswith(("capacity_", "work_share_"))
     }
 )
-# features of figures the Prometheus source does not query (per-class durations, KV usage),
+# features of figures the Prometheus source does not query (per-class durations),
 # and rho against the best a GPU served with work waiting: that best is whatever saturated
 # window each source's own past holds, and the Prometheus range starts with none; likewise the
 # means over a GPU's last windows, which begin with the source's range (known gap)
 SNAPSHOT_ONLY = {
     "class_duration_ratio",
-    "kv_cache_usage_ratio",
-    "kv_cache_usage_peer_z",
     "rho_estimate_ratio",
     "offered_rho_estimate_ratio",
     "peer_rho_estimate_max",

@@ -38,6 +38,7 @@ from gpubalance.lab.live.haproxy import (
     render,
     stat_algorithm,
 )
+from gpubalance.lab.live.run import free_port
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -56,12 +57,6 @@ def needs_haproxy(test: F) -> F:
         not _installed(), reason=f"haproxy is not installed; install it with: {APT_INSTALL}"
     )
     return pytest.mark.haproxy(installed(test))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -31,15 +31,10 @@ from gpubalance.lab.live.haproxy import (
     find_haproxy,
 )
 from gpubalance.lab.live.loadgen import LoadResult, send_all
+from gpubalance.lab.live.run import free_port
 from gpubalance.lab.workload import Request
 
 pytestmark = pytest.mark.timing
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FakeWorker:
