@@ -19,7 +19,9 @@ Prometheus only has what the exporter exposes or what PromQL computes:
   (``gpubalance_gpu_utilization_ratio``, ``gpubalance_gpu_throttled_ratio``: figures over its
   ``--window``), as Prometheus has no NVML samples: their last value in the window when the
   exporter's window is at least the analysis window (exact when equal), else their mean, which
-  then reaches back up to one exporter window before ``t_start``.
+  then reaches back up to one exporter window before ``t_start``. The exporters' windows are
+  asked first, and a figure no GPU takes is not asked (a fleet of like exporters saves two or
+  three of the queries, each a series per GPU).
 - ``utilization_p95_ratio`` is the 95th percentile of that gauge over the window, a percentile of
   per-exporter-window means (smoother than one of NVML's samples); None unless the exporter's
   window is at most a quarter of the analysis window, where it says something.
@@ -59,8 +61,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +83,10 @@ MAX_STEPS = 10_000
 DEFAULT_WINDOWS = 20
 # the utilization percentile needs this many exporter windows per analysis window
 P95_MIN_EXPORTER_WINDOWS = 4
+
+
+# one answer of a range query's pieces: its body, what was asked, its first step, its steps
+_Piece = tuple[bytes, str, float, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,9 +375,7 @@ class PrometheusSource:
         """One range query evaluated at ``first_end + k·step``, in pieces Prometheus accepts."""
         return self._parse_range(query, step, self._fetch_range(query, first_end, step, steps))
 
-    def _fetch_range(
-        self, query: str, first_end: float, step: float, steps: int
-    ) -> list[tuple[bytes, str, float, int]]:
+    def _fetch_range(self, query: str, first_end: float, step: float, steps: int) -> list[_Piece]:
         """The answers to a range query's pieces: (body, what was asked, first step, steps)."""
         pieces = []
         for offset in range(0, steps, MAX_STEPS):
@@ -392,7 +396,7 @@ class PrometheusSource:
         return pieces
 
     def _parse_range(
-        self, query: str, step: float, pieces: Sequence[tuple[bytes, str, float, int]]
+        self, query: str, step: float, pieces: Sequence[_Piece]
     ) -> tuple[Matrix, list[str]]:
         parts: list[Matrix] = []
         warnings: list[str] = []
@@ -450,21 +454,37 @@ class PrometheusSource:
     ) -> list[GpuFrame]:
         began = time.perf_counter()
         parsing = 0.0
+        answers: dict[str, tuple[Matrix, list[str]]] = {}
         with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
-            futures = {
-                name: pool.submit(self._fetch_range, query, first_end, w, steps)
-                for name, query in queries.items()
-            }
-            # every query runs to its end, and the error raised is that of the first query in
-            # this order that failed: one fault, one message, whichever answer came first.
-            # Answers are parsed here, one at a time while the others are on their way: the
-            # threads only wait on the network, which they do without holding the GIL
-            answers = {}
-            for name, future in futures.items():
-                pieces = future.result()
+
+            def send(names: Iterable[str]) -> dict[str, Future[list[_Piece]]]:
+                return {
+                    name: pool.submit(self._fetch_range, queries[name], first_end, w, steps)
+                    for name in names
+                }
+
+            def take(name: str) -> Matrix:
+                nonlocal parsing
+                pieces = futures[name].result()
                 parse_began = time.perf_counter()
                 answers[name] = self._parse_range(queries[name], w, pieces)
                 parsing += time.perf_counter() - parse_began
+                return answers[name][0]
+
+            futures = send(name for name in queries if name not in WINDOW_GAUGE_QUERIES)
+            # every query runs to its end, and the error raised is that of the first query in
+            # this order that failed: one fault, one message, whichever answer came first.
+            # Answers are parsed here, one at a time while the others are on their way: the
+            # threads only wait on the network, which they do without holding the GIL. The
+            # GPUs and their exporters' windows come first: they say which of the window
+            # gauges' figures some GPU needs, and only those are asked for
+            needed = window_gauge_figures(take("info"), take("exporter_window"), self.host_label, w)
+            futures.update(
+                send(name for name, kind in WINDOW_GAUGE_QUERIES.items() if kind in needed)
+            )
+            for name in futures:
+                if name not in answers:
+                    take(name)
         fetched = time.perf_counter() - began
         warnings: list[str] = []
         for _, said in answers.values():
@@ -485,6 +505,51 @@ class PrometheusSource:
             "frames": time.perf_counter() - began,
         }
         return frames
+
+
+# the figures read from the exporter's window gauges, by which of them a frame takes: the
+# gauge's last value in the window ("last": the exporter's window covers the analysis window),
+# its mean ("mean": a shorter exporter window, or none known) and its 95th percentile ("p95":
+# an exporter window of at most a quarter of the analysis window)
+WINDOW_GAUGE_QUERIES = {
+    "utilization": "mean",
+    "utilization_last": "last",
+    "utilization_p95": "p95",
+    "throttled": "mean",
+    "throttled_last": "last",
+}
+
+
+def window_gauge_figures(
+    info: Matrix, exporter_window: Matrix, host_label: str, window_seconds: float
+) -> set[str]:
+    """Which figures of the window gauges (:data:`WINDOW_GAUGE_QUERIES`' kinds) some GPU's
+    frame takes: a GPU's window takes its exporter's window of that step (its mean where
+    none is known). Each kind is a query of every GPU: one no GPU takes is not sent, which on
+    a fleet of like exporters saves two or three of them."""
+    if not info.labels:
+        return set()
+    hosts: dict[str, np.ndarray] = {}  # host -> the steps in which it reports a GPU
+    for labels, values in zip(info.labels, info.values, strict=True):
+        host = labels.get(host_label, "")
+        seen = ~np.isnan(values)
+        hosts[host] = hosts[host] | seen if host in hosts else seen
+    windows = {
+        labels.get(host_label, ""): values
+        for labels, values in zip(exporter_window.labels, exporter_window.values, strict=True)
+    }
+    kinds: set[str] = set()
+    for host, reporting in hosts.items():
+        known = windows.get(host)
+        exporter = known[reporting] if known is not None else np.full(reporting.sum(), np.nan)
+        whole = exporter >= window_seconds * (1 - 1e-6)  # NaN: not whole
+        if whole.any():
+            kinds.add("last")
+        if not whole.all():
+            kinds.add("mean")
+        if (exporter * P95_MIN_EXPORTER_WINDOWS <= window_seconds * (1 + 1e-6)).any():
+            kinds.add("p95")
+    return kinds
 
 
 def _decode(raw: bytes, what: str) -> dict[str, Any]:
@@ -585,8 +650,11 @@ class _Assembly:
         return out
 
     def gpu(self, name: str) -> np.ndarray:
-        """A per-GPU query on the GPU rows."""
-        matrix = self.m[name]
+        """A per-GPU query on the GPU rows; unknown where it was not asked (a window gauge's
+        figure no GPU takes)."""
+        matrix = self.m.get(name)
+        if matrix is None:
+            return self._empty(len(self.gpu_keys))
         return self._place(
             self._empty(len(self.gpu_keys)), self._gpu_rows(matrix.labels), matrix.values
         )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import json
 import math
 import os
@@ -324,6 +325,17 @@ class Timed:
 
 def diagnose(server: Prometheus, start: float, end: float) -> Timed:
     """``gpubalance diagnose --from URL --fleet`` on a Prometheus, stage by stage."""
+    # the earlier diagnoses' verdicts, kept for the sanity check, out of the collector's
+    # sight: a `gpubalance diagnose` process has none, and each collection the next diagnosis
+    # triggers would scan them (10^6 objects after a 20-window range)
+    gc.freeze()
+    try:
+        return _diagnose(server, start, end)
+    finally:
+        gc.unfreeze()
+
+
+def _diagnose(server: Prometheus, start: float, end: float) -> Timed:
     from gpubalance.analyzer.baselines import QueueUtilization
     from gpubalance.analyzer.features import FeatureBuilder
     from gpubalance.analyzer.sources import open_source
@@ -510,8 +522,8 @@ def report(
     latest, long = results.values()
     lines = [
         f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on {machine()}, load "
-        f"average {context['load'][0]:.1f} before and {context['load'][1]:.1f} after (other "
-        f"work shared the machine); the analyzer pinned to CPU {context['cpu']} "
+        f"average {context['load'][0]:.1f} before and {context['load'][1]:.1f} after "
+        f"({_sharing(context['load'][0])}); the analyzer pinned to CPU {context['cpu']} "
         "(`sched_setaffinity`, `OMP_NUM_THREADS=1`), Prometheus "
         f"{_prometheus_version()} on any CPU; `python bench/analyzer.py --hosts {args.hosts} "
         f"--minutes {args.minutes:g} --scrape {args.scrape:g} --seeds {args.seeds} --repeats "
@@ -606,6 +618,16 @@ def report(
     return met
 
 
+# a load average before the run at or above which other work shared the machine
+BUSY_LOAD = 1.0
+
+
+def _sharing(load_before: float) -> str:
+    if load_before >= BUSY_LOAD:
+        return "other work shared the machine"
+    return "nothing else ran; the load after is the benchmark's own Prometheus and analyzer"
+
+
 def _where_the_time_goes(
     context: Mapping[str, Any], latest: Sequence[Timed], long: Sequence[Timed]
 ) -> str:
@@ -630,8 +652,10 @@ def _where_the_time_goes(
         f"Where the time goes (latest window, CPU seconds): Prometheus {cpu['prometheus']:.2f} "
         f"and the analyzer {analyzer:.2f} (source: parse and frames {cpu['source']:.2f}, "
         f"features {cpu['features']:.2f}, verdicts {cpu['verdicts']:.2f}). The wall times are "
-        "those CPU seconds stretched by the machine's other load (two cores shared), and the "
-        f"{len(costs)} range queries in flight 16 at a time share Prometheus' cores. Prometheus' "
+        "those CPU seconds on two cores that Prometheus and the analyzer share"
+        + (" with the machine's other load" if context["load"][0] >= BUSY_LOAD else "")
+        + f", and the source's range queries ({len(costs)} at most) in flight 16 at a time share "
+        "Prometheus' cores. Prometheus' "
         "cost follows the series a query selects, not the number of queries: run one at a time, "
         "the queries cost "
         + ", ".join(f"{name} {value:.2f}" for name, value in families.items())

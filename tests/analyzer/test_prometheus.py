@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -31,7 +32,12 @@ import numpy as np
 import pytest
 
 from gpubalance.analyzer.frames import GpuFrame
-from gpubalance.analyzer.prometheus import PrometheusSource, parse_matrix
+from gpubalance.analyzer.prometheus import (
+    Matrix,
+    PrometheusSource,
+    parse_matrix,
+    window_gauge_figures,
+)
 from gpubalance.analyzer.sources import (
     ExporterSource,
     LabRunSource,
@@ -523,6 +529,52 @@ def test_hosts_narrow_every_query(replayed: str) -> None:
     assert PrometheusSource(replayed).frames(T0, END, WINDOW, hosts=[]) == []
 
 
+def test_only_the_window_gauge_figures_some_gpu_takes_are_asked(
+    recording: Recording, fleet: dict[tuple[str, str, int], GpuFrame]
+) -> None:
+    # A's exporter window (5 s) is shorter than the analysis window: the gauges' means and
+    # the utilization percentile; B's (30 s) covers it: their last values. Narrowed to B,
+    # the means and the percentile are not asked and B's figures are those of the fleet's
+    server = replay(recording)
+    frames = PrometheusSource(server.url, scrape_interval_seconds=SCRAPE).frames(
+        T0, END, WINDOW, hosts=[B]
+    )
+    server.shutdown()
+    asked = [form["query"] for _, form, _ in server.seen]
+    assert len(asked) == 42 - 3
+    utilization = "gpubalance_gpu_utilization_ratio"
+    assert not [q for q in asked if f"avg_over_time({utilization}" in q]
+    assert not [q for q in asked if "quantile_over_time" in q]
+    assert [q for q in asked if f"last_over_time({utilization}" in q]
+    for frame in frames:
+        whole = fleet[(B, frame.uuid, round((frame.t_start - T0) / WINDOW))]
+        assert frame.utilization_mean_ratio == whole.utilization_mean_ratio is not None
+        assert frame.throttled_ratio == whole.throttled_ratio
+        assert frame.utilization_p95_ratio is None
+
+
+def test_which_window_gauge_figures_follows_each_hosts_exporter_window() -> None:
+    def matrix(rows: list[tuple[dict[str, str], list[float]]]) -> Matrix:
+        return Matrix(tuple(labels for labels, _ in rows), np.array([v for _, v in rows]))
+
+    nan = math.nan
+    info = matrix([({"instance": "a", "gpu": "0"}, [1, 1]), ({"instance": "b"}, [nan, 1])])
+
+    def kinds(a: list[float], b: list[float] | None = None) -> set[str]:
+        windows = [({"instance": "a"}, a)] + ([({"instance": "b"}, b)] if b else [])
+        return window_gauge_figures(info, matrix(windows), "instance", 30.0)
+
+    assert kinds([30, 60], [nan, 45]) == {"last"}
+    assert kinds([30, 60], [7.5, 7.5]) == {"last", "mean", "p95"}
+    assert kinds([10, 10], [30, 30]) == {"last", "mean"}
+    # b reports no GPU in the first window: its exporter window there asks nothing
+    assert kinds([30, 30], [5, 30]) == {"last"}
+    # an exporter without the gauge, or a step without it: the mean, as the frames take it
+    assert kinds([30, nan], [30, 30]) == {"last", "mean"}
+    assert kinds([30, 30]) == {"last", "mean"}
+    assert window_gauge_figures(matrix([]), matrix([]), "instance", 30.0) == set()
+
+
 def test_a_long_range_comes_in_pieces(replayed: str) -> None:
     # 15,000 windows of 10 ms: two queries per figure; each of B's samples ends one window
     frames = PrometheusSource(replayed).frames(T0, END, 0.01, hosts=[B])
@@ -555,7 +607,8 @@ def test_credentials_and_options_go_with_every_query(recording: Recording) -> No
     )
     assert len(source.frames(T0, END, WINDOW)) == 13
     server.shutdown()
-    # one query per figure (per slowdown reason), for every host at once
+    # one query per figure (per slowdown reason), for every host at once; the exporters' windows
+    # (5 s and 30 s) need every figure of the window gauges
     assert len(server.seen) == 42
     for path, form, headers in server.seen:
         assert path == "/api/v1/query_range"
