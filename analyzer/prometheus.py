@@ -56,6 +56,7 @@ import dataclasses
 import gzip
 import logging
 import math
+import operator
 import re
 import time
 import urllib.error
@@ -628,23 +629,31 @@ class _Assembly:
         self.hosts = sorted({h for h, _, _ in self.gpu_keys})
         self.host_row = {host: row for row, host in enumerate(self.hosts)}
         self.host_of_gpu = np.array([self.host_row[h] for h, _, _ in self.gpu_keys], dtype=int)
+        # per query: its series' host rows, and the values of a label of its series
+        self._host_rows: dict[str, np.ndarray] = {}
+        self._labels: dict[tuple[str, str], np.ndarray] = {}
 
     def _gpu_key(self, labels: Mapping[str, str]) -> tuple[str, str, str]:
         return labels.get(self.host_label, ""), labels.get("gpu", ""), labels.get("uuid", "")
 
     def _gpu_rows(self, labels: Sequence[Mapping[str, str]]) -> list[int]:
-        """Each series' GPU row (-1: none): ``_gpu_key`` inlined, 10^5 series a fleet."""
+        """Each series' GPU row (-1: none): ``_gpu_key`` inlined, 10^5 series a fleet; the
+        labels taken at once where every series has all three (an answer's usual case)."""
         row, host = self.gpu_row.get, self.host_label
-        return [row((s.get(host, ""), s.get("gpu", ""), s.get("uuid", "")), -1) for s in labels]
+        try:
+            key = operator.itemgetter(host, "gpu", "uuid")
+            return [row(key(s), -1) for s in labels]
+        except KeyError:
+            return [row((s.get(host, ""), s.get("gpu", ""), s.get("uuid", "")), -1) for s in labels]
 
     def _empty(self, rows: int) -> np.ndarray:
         return np.full((rows, self.steps), np.nan)
 
     @staticmethod
-    def _place(out: np.ndarray, rows: list[int], values: np.ndarray) -> np.ndarray:
+    def _place(out: np.ndarray, rows: Sequence[int] | np.ndarray, values: np.ndarray) -> np.ndarray:
         """``values``' series into ``out``'s ``rows`` (-1: nowhere); of two series for one row
         (two jobs scraping one exporter), the later."""
-        where = np.array(rows, dtype=np.int64)
+        where = np.asarray(rows, dtype=np.int64)
         mine = where >= 0
         out[where[mine]] = values[mine]
         return out
@@ -662,13 +671,21 @@ class _Assembly:
     def host(self, name: str, **where: str) -> np.ndarray:
         """A per-host query (the series whose labels hold ``where``) on the GPU rows."""
         matrix = self.m[name]
-        rows = [
-            self.host_row.get(labels.get(self.host_label, ""), -1)
-            if all(labels.get(k) == v for k, v in where.items())
-            else -1
-            for labels in matrix.labels
-        ]
+        rows = self._host_rows.get(name)
+        if rows is None:  # once per query: a host's CPU modes are eight calls on one answer
+            host, row = self.host_label, self.host_row.get
+            rows = np.array([row(labels.get(host, ""), -1) for labels in matrix.labels], np.int64)
+            self._host_rows[name] = rows
+        for label, value in where.items():
+            rows = np.where(self._label_values(name, label) == value, rows, -1)
         return self._place(self._empty(len(self.hosts)), rows, matrix.values)[self.host_of_gpu]
+
+    def _label_values(self, name: str, label: str) -> np.ndarray:
+        """One label of each series of a query's answer (None where it has none)."""
+        key = (name, label)
+        if key not in self._labels:
+            self._labels[key] = np.array([s.get(label) for s in self.m[name].labels], object)
+        return self._labels[key]
 
     def _gpu_of(self, labels: Mapping[str, str]) -> int | None:
         """The GPU a serving queue or process is on: by UUID when it has one, else by index."""
