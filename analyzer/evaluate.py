@@ -504,6 +504,7 @@ def recommendation_errors(
 
     errors: list[float] = []
     idle_errors: list[float] = []
+    parts: dict[str, list[float]] = {}
     outcomes = 0
     first = {}
     for example in examples:
@@ -512,6 +513,8 @@ def recommendation_errors(
         found = apply.outcomes(example.document, example.name, example.seed, models[family])
         outcomes += len(found)
         errors += apply.rho_errors(found)
+        for part, values in apply.error_parts(found).items():
+            parts.setdefault(part, []).extend(values)
         idle_errors += [
             abs(o.predicted_idle_while_queued - o.realised_idle_while_queued)
             for o in found
@@ -525,6 +528,12 @@ def recommendation_errors(
         "rho_error_median": statistics.median(errors) if errors else None,
         "rho_error_p90": float(np.percentile(errors, 90)) if errors else None,
         "idle_error_median": statistics.median(idle_errors) if idle_errors else None,
+        # what the error is made of: part -> (GPUs, median |Δρ|)
+        "parts": {
+            part: (len(values), statistics.median(values))
+            for part, values in parts.items()
+            if values
+        },
     }
 
 
@@ -744,6 +753,23 @@ def _recommendation_lines(figures: Mapping[str, Any]) -> list[str]:
         f"| {figures['outcomes']} | {_f(figures['rho_error_median'])} | "
         f"{_f(figures['rho_error_p90'])} | ≤ {TARGETS['rho_error_median']} | "
         f"{_f(figures['idle_error_median'])} |",
+        *_error_part_lines(figures.get("parts") or {}),
+    ]
+
+
+def _error_part_lines(parts: Mapping[str, Any]) -> list[str]:
+    if not parts:
+        return []
+    return [
+        "",
+        "What the error is made of (`gpubalance.lab.apply.error_parts`): how far the capacity",
+        "model's ρ before the action is from the truth's over the windows it read, and how far",
+        "the truth moves from those windows to the horizon in the run left unchanged, which no",
+        "reading of the past foresees.",
+        "",
+        "| part | GPUs | median abs ρ error |",
+        "|---|---:|---:|",
+        *(f"| {part} | {count} | {_f(median)} |" for part, (count, median) in parts.items()),
     ]
 
 

@@ -5,7 +5,8 @@ the queue + utilization baseline, and every recommendation the lab can carry out
 (gpubalance.lab.apply.outcomes); the realised ρ is the ground truth's mean over the
 recommendation's horizon. Prints the median |predicted - realised| over the GPUs predicted, overall,
 per action and per how the capacity behind the prediction was measured, and over the
-recommendations (each the mean over its GPUs).
+recommendations (each the mean over its GPUs); then what the error is made of
+(``gpubalance.lab.apply.error_parts``).
 
     python bench/recommend_error.py --count 3 --seed 5 --at 0.33 0.5 0.67
 """
@@ -72,6 +73,12 @@ def main() -> None:
         print(
             f"{len(per)} recommendations, median of their mean |Δρ|: {statistics.median(means):.3f}"
         )
+    print()
+    print("What the error is made of (median |Δρ| over the GPUs that have each figure):")
+    print(f"{'':60} {'GPUs':>5} {'median |Δρ|':>12}")
+    for label, values in apply.error_parts(found).items():
+        if values:
+            print(f"{label:60} {len(values):5d} {statistics.median(values):12.3f}")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ at T drains first, as the prediction expects).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpubalance.analyzer.capacity import CapacityModel
 from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
 from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.recommend import Recommender
@@ -57,6 +59,12 @@ class Outcome:
     realised_idle_while_queued: float | None
     capacity_source: str  # how the capacity model measured this GPU (ExpectedEffect)
     taken_out: bool  # the action takes the GPU out of rotation (a drain): ρ 0 by design
+    # what the error is made of: the prediction's ρ before the action, and the ground truth's
+    # mean ρ over the windows the capacity model reads the offered load from (those before T)
+    # and over the horizon of the run left unchanged
+    predicted_rho_before: float | None = None
+    truth_rho_before: float | None = None
+    unchanged_rho: float | None = None
 
     @property
     def rho_error(self) -> float | None:
@@ -91,13 +99,53 @@ def outcomes(
     diagnosis = Verdicts(classifier).diagnose(table)
     found = recommender.recommend(diagnosis, table, ORIGIN_SECONDS + at)
     out: list[Outcome] = []
+    unchanged: list[truth.TruthRow] | None = None  # the run's own truth, once one is applied
     for recommendation in found:
         if recommendation.action not in APPLIED or recommendation.expected is None:
             continue
+        if unchanged is None:
+            requests = traffic.generate(scenario.traffic, duration, seed)
+            unchanged = truth.compute(resolved, requests, duration)
         changed = apply(dict(document), resolved, recommendation, at)
         horizon = min(recommendation.expires_seconds - ORIGIN_SECONDS, duration) - at
-        out += _compare(name, changed, recommendation, seed, at, horizon)
+        found_here = _compare(name, changed, recommendation, seed, at, horizon)
+        lookback = (recommender.capacity or CapacityModel()).recent_windows * width
+        out += [
+            dataclasses.replace(
+                o,
+                predicted_rho_before=recommendation.expected.rho_before.get(o.gpu),
+                truth_rho_before=_mean_rho(unchanged, o.gpu, at - lookback, at),
+                unchanged_rho=_mean_rho(unchanged, o.gpu, at, at + horizon),
+            )
+            for o in found_here
+        ]
     return out
+
+
+def error_parts(found: Sequence[Outcome]) -> dict[str, list[float]]:
+    """Two parts of the prediction's |error|, over the GPUs that keep serving: how far the
+    capacity model's ρ before the action is from the truth's over the same windows (its
+    reading of the present), and how far the truth itself moves from those windows to the
+    horizon with nothing done (what no reading of the past foresees)."""
+    parts: dict[str, list[float]] = {
+        "predicted ρ before vs the truth's over the same windows": [],
+        "the truth's ρ before vs over the horizon, nothing done": [],
+    }
+    reading, moving = parts.values()
+    for o in found:
+        if o.realised_rho is None or o.taken_out or o.truth_rho_before is None:
+            continue
+        if o.predicted_rho_before is not None:
+            reading.append(abs(o.predicted_rho_before - o.truth_rho_before))
+        if o.unchanged_rho is not None:
+            moving.append(abs(o.truth_rho_before - o.unchanged_rho))
+    return parts
+
+
+def _mean_rho(rows: Sequence[truth.TruthRow], gpu: int, start: float, end: float) -> float | None:
+    """The ground truth's mean ρ of ``gpu`` over the windows starting in [start, end)."""
+    values = [row.rho for row in rows if row.gpu == gpu and start <= row.t_start < end]
+    return statistics.fmean(values) if values else None
 
 
 def rho_errors(found: Sequence[Outcome]) -> list[float]:
@@ -135,10 +183,6 @@ def _compare(
     requests = traffic.generate(scenario.traffic, duration, seed)
     rows = truth.compute(changed, requests, duration)
     end = at + horizon
-    realised: dict[int, list[float]] = {}
-    for row in rows:
-        if at <= row.t_start < end:
-            realised.setdefault(row.gpu, []).append(row.rho)
     gpus = set(recommendation.expected.rho_after)
     iwq = _idle_while_queued(changed, requests, seed, gpus, at, end)
     return [
@@ -150,7 +194,7 @@ def _compare(
             at_seconds=at,
             horizon_seconds=horizon,
             predicted_rho=predicted,
-            realised_rho=statistics.fmean(realised[gpu]) if realised.get(gpu) else None,
+            realised_rho=_mean_rho(rows, gpu, at, end),
             predicted_idle_while_queued=recommendation.expected.idle_while_queued_after,
             realised_idle_while_queued=iwq,
             capacity_source=recommendation.expected.capacity_source.get(gpu, "new"),

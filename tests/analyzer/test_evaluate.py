@@ -114,6 +114,8 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         "Recommendation prediction error",
     ):
         assert needle in text
+    # the error taken apart, where the lab applied something
+    assert ("What the error is made of" in text) == bool(result.recommendations["parts"])
     assert (tmp_path / "evaluation-confusion.png").stat().st_size > 0
     assert (tmp_path / "evaluation-families.png").stat().st_size > 0
     # written again, the section is replaced, not repeated

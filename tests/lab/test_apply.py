@@ -51,6 +51,58 @@ def test_reweighting_a_default_target_realises_the_predicted_rho() -> None:
     predicted, realised = found[0].predicted_idle_while_queued, found[0].realised_idle_while_queued
     assert predicted is not None and realised is not None
     assert predicted == pytest.approx(realised, abs=0.25)
+    # the parts of the error: the run left unchanged keeps GPU 0 (the default target) over
+    # full while the weights move its work away; the model reads the present of the GPUs
+    # with room within 0.05, and that of the one over full (its backlog growing) within 0.15
+    hot = found[0]
+    assert hot.predicted_rho_before is not None and hot.predicted_rho_before > 1
+    assert hot.truth_rho_before is not None and hot.truth_rho_before > 1
+    assert hot.unchanged_rho is not None and hot.unchanged_rho > 1 > hot.realised_rho
+    parts = apply.error_parts(found)
+    assert [len(values) for values in parts.values()] == [4, 4]
+    reading, _ = parts.values()
+    assert reading[0] < 0.15 and max(reading[1:]) < 0.05
+
+
+def test_error_parts_take_the_prediction_apart() -> None:
+    def outcome(
+        predicted: float,
+        realised: float,
+        before: float | None,
+        truth_before: float,
+        unchanged: float | None,
+        out: bool = False,
+    ) -> apply.Outcome:
+        return apply.Outcome(
+            "s",
+            "set_weights",
+            "x",
+            0,
+            60.0,
+            120.0,
+            predicted,
+            realised,
+            None,
+            None,
+            "saturated",
+            out,
+            before,
+            truth_before,
+            unchanged,
+        )
+
+    parts = list(
+        apply.error_parts(
+            [
+                # the truth said 1.2 where the model said 1.0; nothing done it would have been
+                # 1.1
+                outcome(0.5, 0.6, 1.0, 1.2, 1.1),
+                outcome(0.5, 0.6, None, 1.2, None),  # no figure: no part
+                outcome(0.0, 0.0, 1.0, 1.0, 1.0, out=True),  # drained: ρ 0 by design
+            ]
+        ).values()
+    )
+    assert parts == [[pytest.approx(0.2)], [pytest.approx(0.1)]]
 
 
 def test_set_weights_becomes_weighted_round_robin_from_t() -> None:
