@@ -152,6 +152,12 @@ SNAPSHOT_ONLY = {
 # features that cut a queue at QUEUED_BATCHES: where the queue they cut lies within its
 # tolerance of the cut, one sample flips them, and they are not compared in that window
 CUTS = {"pool_busy_share": "queue_batches", "idle_while_peer_queued": "peer_queue_max_batches"}
+# the batch-time fit behind these is known only once a GPU's own past holds 4 points whose
+# batch sizes spread past 15 % of their mean: each source's means differ a little (counters'
+# increases against the snapshots' differences), and near that cut one source has the fit
+# windows before the other (a clean-clone make test, once). Known on one side only agrees;
+# known on both, the values are compared
+FITS = {"rho_fitted_ratio", "peer_rho_fitted_max", "pool_rho_fitted_mean"}
 # A least-squares slope over a window's n samples gives an end sample of height q the weight
 # q·(n-1)/2 / Σ(t - t̄)²: a sample of the queue's largest height leaving one end as another
 # enters at the other moves the slope by twice that (0.109 of the height per second for ten).
@@ -464,6 +470,8 @@ def assert_agreement(
                 if any(_known(r[cut]) and abs(r[cut] - QUEUED_BATCHES) <= slack for r in rows):
                     continue
             mine, values = row[name], [n[name] for n in neighbours]
+            if name in FITS and not (_known(mine) and any(_known(v) for v in values)):
+                continue
             if not _agrees(name, mine, values, tolerance, row["utilization_ratio"]):
                 mismatches.append(f"{uuid} window {k} {name}: {mine} vs {values}")
     assert not mismatches, f"features differ (frames in {kept}):\n" + "\n".join(mismatches)
