@@ -22,7 +22,9 @@ Figures (all over held-out runs):
   verdict is starved or overloaded while its truth is balanced is one alarm, over the GPU-time
   whose truth is balanced;
 - **recommendation prediction error** (predicted against realised ρ once the lab applies a
-  recommendation, ``gpubalance.lab.apply``).
+  recommendation, ``gpubalance.lab.apply``);
+- beside the classifiers, the **ground truth one window late** (:func:`late_labels`): what the
+  truth's own change from window to window leaves to a reading that lags by one.
 
 This module runs the lab (training is done on the test stand), like ``train``.
 """
@@ -57,6 +59,9 @@ OURS = "gpubalance"
 RAW = "gpubalance, raw windows"
 QUEUE = "queue + utilization rule"
 THRESHOLD = "utilization threshold"
+# a reference, not a classifier: each window said to be what the ground truth said of the
+# window before it (see late_labels)
+LATE = "ground truth, one window late"
 # the verdict-level classifiers, ours first; RAW is the model's window predictions alone
 JUDGES = (OURS, QUEUE, THRESHOLD)
 # written to be healthy from start to end (their own incidents aside, which the truth marks)
@@ -350,6 +355,7 @@ def _judge(example: Example, part: Dataset, model: GpuStateClassifier) -> RunVer
     said: dict[str, tuple[str, ...]] = {RAW: tuple(str(x) for x in model.predict(part.table))}
     for name, classifier in judges.items():
         said[name] = verdict_labels(classifier, part.table)
+    said[LATE] = late_labels(keys, part.labels)
     duration = example.duration_seconds or float(example.document.get("duration_seconds", 600))
     events = tuple(
         sorted(
@@ -361,6 +367,19 @@ def _judge(example: Example, part: Dataset, model: GpuStateClassifier) -> RunVer
         )
     )
     return RunVerdicts(example.family, example.name, window, events, keys, part.labels, said)
+
+
+def late_labels(keys: Sequence[tuple[str, int, int]], truth: Sequence[str]) -> tuple[str, ...]:
+    """Each window's label said to be the truth of the same GPU's window before it (its own
+    where it has none before it): a detector that knows the truth exactly but one window
+    late. The truth of one window judges work that arrived in it, which varies from window to
+    window as requests come and go, so this is a ceiling on what any reading of telemetry
+    that lags by a window can score, not a perfect score."""
+    by_key = dict(zip(keys, truth, strict=True))
+    return tuple(
+        by_key.get((host, gpu, window - 1), label)
+        for (host, gpu, window), label in zip(keys, truth, strict=True)
+    )
 
 
 def verdict_labels(classifier: Classifier, table: FeatureTable) -> tuple[str, ...]:
@@ -603,13 +622,17 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
         "held the family out, through the verdict step (persistence, hysteresis, rules);",
         "`raw windows` is that model's per-window prediction alone (no delay or alarm figures:",
         "it is not what a person sees). The rules go through the same verdict step.",
+        f"`{LATE}` is no classifier: each window is said to be what the truth said of the",
+        "window before it. The truth judges the work that arrived in a window, which varies",
+        "from one window to the next as requests come and go: this row is what knowing the",
+        "truth exactly, a window late, scores against it.",
         "",
         "| classifier | state macro-F1 | cause accuracy | median delay (windows) | p90 delay "
         "| events | missed | false alarms / GPU-day | unknown |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     runs = evaluation.generated
-    for judge in (OURS, RAW, QUEUE, THRESHOLD):
+    for judge in (OURS, RAW, LATE, QUEUE, THRESHOLD):
         m = summary(runs, judge)
         raw = judge == RAW
         lines.append(
@@ -678,14 +701,14 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
         "",
         "State macro-F1 / cause accuracy of the verdicts (the family held out of training).",
         "",
-        f"| family | windows | {OURS} | {RAW} | {QUEUE} | {THRESHOLD} | median delay | "
+        f"| family | windows | {OURS} | {RAW} | {LATE} | {QUEUE} | {THRESHOLD} | median delay | "
         "false alarms / GPU-day |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for family in sorted({r.family for r in runs}):
         part = [r for r in runs if r.family == family]
         cells = []
-        for judge in (OURS, RAW, QUEUE, THRESHOLD):
+        for judge in (OURS, RAW, LATE, QUEUE, THRESHOLD):
             m = run_scores(part, judge)
             cells.append(f"{_f(m['state_macro_f1'])} / {_f(m['cause_accuracy'])}")
         m = summary(part, OURS)

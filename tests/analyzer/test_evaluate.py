@@ -72,6 +72,19 @@ def test_scores_are_of_the_verdicts() -> None:
     assert evaluate.summary([wrong], evaluate.OURS)["state_macro_f1"] < 1.0
 
 
+def test_the_truth_one_window_late_says_each_gpus_window_before() -> None:
+    keys = [("h", 0, 3), ("h", 1, 3), ("h", 0, 4), ("h", 1, 4), ("h", 0, 6)]
+    truth = ["balanced/none", "starved/low_demand", "overloaded/slow_card", "balanced/none", "x"]
+    # a GPU's first window, and one after a gap, keep their own truth
+    assert evaluate.late_labels(keys, truth) == (
+        "balanced/none",
+        "starved/low_demand",
+        "balanced/none",
+        "starved/low_demand",
+        "x",
+    )
+
+
 def test_an_unknown_family_is_named() -> None:
     with pytest.raises(ValueError, match="no-such-family"):
         evaluate.family_list("balanced-pool,no-such-family")
@@ -95,7 +108,8 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
     # every held-out window was judged by each classifier, by the fold that held it out
     assert {r.family for r in result.generated} == {"balanced-pool", "weighted-skew"}
     for run in result.generated:
-        assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW}
+        assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW, evaluate.LATE}
+        assert run.said[evaluate.LATE] == evaluate.late_labels(run.keys, run.truth)
         assert all(len(labels) == len(run.truth) for labels in run.said.values())
     # the lab applied what was recommended, if anything, and measured it
     assert "unavailable" not in result.recommendations, result.recommendations
@@ -109,6 +123,7 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         "false alarms / GPU-day",
         evaluate.QUEUE,
         evaluate.THRESHOLD,
+        evaluate.LATE,
         "`weighted-skew`",
         "evaluation-confusion.png",
         "Recommendation prediction error",
