@@ -164,7 +164,13 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             if summaries:
                 ((changes, _, _, idle_before, idle_after),) = summaries
                 assert int(changes) == len(applied)
-                assert int(idle_after) < int(idle_before), summaries
+                if int(idle_before) > 0:
+                    assert int(idle_after) < int(idle_before), summaries
+                else:
+                    # with the other core busy the workers share one, every queue holds work
+                    # and no peer idled before the change (the analyzer saw the skew in the
+                    # queues): nothing to fall, and the change must not make a GPU idle
+                    assert int(idle_after) == 0, summaries
             else:
                 assert re.search(r"^before/after", out, re.M), out[-2000:]
 
