@@ -19,8 +19,9 @@ Figures (all over held-out runs):
   every delay (median and p90 are nearest-rank: "missed" when that many changes were);
 - **false alarms per GPU-day** on balanced runs (the families and shipped scenarios written to
   be healthy, :data:`BALANCED_RUNS`): each stretch of consecutive windows in which a GPU's
-  verdict is starved or overloaded while its truth is balanced is one alarm, over the GPU-time
-  whose truth is balanced;
+  verdict names one alarm state (starved or overloaded) is one alarm, false when the truth
+  names that state in none of its windows nor within :data:`ALARM_TOLERANCE_WINDOWS` of it,
+  over the GPU-time whose truth is balanced;
 - **recommendation prediction error** (predicted against realised ρ once the lab applies a
   recommendation, ``gpubalance.lab.apply``);
 - beside the classifiers, the **ground truth one window late** (:func:`late_labels`): what the
@@ -81,6 +82,8 @@ TARGETS = {
     "rho_error_median": 0.1,
 }
 ALARM_STATES = frozenset({"starved", "overloaded"})
+# an alarm whose state the truth names this many windows before or after it is founded
+ALARM_TOLERANCE_WINDOWS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,20 +445,36 @@ def detection_delays(run: RunVerdicts, judge: str) -> list[int | None]:
 
 
 def false_alarms(run: RunVerdicts, judge: str) -> tuple[int, float]:
-    """Alarms (stretches of starved/overloaded verdicts while the truth is balanced) and the
-    GPU-days whose truth is balanced."""
+    """False alarms, and the GPU-days whose truth is balanced.
+
+    An alarm is a stretch of consecutive windows in which a GPU's verdict names one alarm
+    state (starved or overloaded); it is false when the truth names that state in none of the
+    stretch's windows nor within :data:`ALARM_TOLERANCE_WINDOWS` of it, as an alert is judged
+    by whether an incident lies under it. A verdict that names a real condition a window late,
+    or holds it a window after the truth moved on, raised no false alarm (its windows count
+    against it in the per-window scores)."""
     alarms, balanced_windows = 0, 0
     for timeline in _timelines(run, judge).values():
-        previous_alarm = False
+        stretch: list[int] = []
         for window in sorted(timeline):
             truth, said = timeline[window]
-            alarm = truth == "balanced" and said in ALARM_STATES
             if truth == "balanced":
                 balanced_windows += 1
-            if alarm and not (previous_alarm and window - 1 in timeline):
-                alarms += 1
-            previous_alarm = alarm
+            if stretch and not (window - 1 == stretch[-1] and said == timeline[stretch[-1]][1]):
+                alarms += _unfounded(timeline, stretch)
+                stretch = []
+            if said in ALARM_STATES:
+                stretch.append(window)
+        if stretch:
+            alarms += _unfounded(timeline, stretch)
     return alarms, balanced_windows * run.window_seconds / SECONDS_PER_DAY
+
+
+def _unfounded(timeline: Mapping[int, tuple[str, str]], stretch: Sequence[int]) -> bool:
+    """Whether the truth names the stretch's alarm state nowhere near it."""
+    state = timeline[stretch[0]][1]
+    reach = range(stretch[0] - ALARM_TOLERANCE_WINDOWS, stretch[-1] + ALARM_TOLERANCE_WINDOWS + 1)
+    return not any(w in timeline and timeline[w][0] == state for w in reach)
 
 
 def summary(runs: Sequence[RunVerdicts], judge: str) -> dict[str, Any]:
@@ -665,8 +684,9 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
             ]
         )
         + f". False alarms over {ours['balanced_gpu_days'] * 24:.1f} GPU-hours of balanced "
-        "truth in the "
-        f"balanced runs ({', '.join(sorted(BALANCED_RUNS))}); delays over {ours['events']} "
+        f"truth in the balanced runs ({', '.join(sorted(BALANCED_RUNS))}): a stretch of "
+        "starved or overloaded verdicts whose state the truth names in none of its windows "
+        f"nor within {ALARM_TOLERANCE_WINDOWS} window of it; delays over {ours['events']} "
         f"truth changes within {EVENT_REACH_WINDOWS} windows of an injected event.",
         "",
         "## Per state",

@@ -65,6 +65,22 @@ def test_false_alarms_count_stretches_over_balanced_gpu_time() -> None:
     assert other["false_alarms_per_gpu_day"] is None
 
 
+def test_an_alarm_the_truth_bears_out_nearby_is_not_false() -> None:
+    # overloaded in windows 2-4: the verdict names it a window late and holds it a window
+    # after the truth moved on (the window-level scores count those two windows against it)
+    late = _run(list("BBOOOBBBB"), list("BBBOOOBBB"), family="balanced-pool")
+    assert evaluate.false_alarms(late, evaluate.OURS)[0] == 0
+    # two windows early is not near: nothing overloaded within one window of window 1 ...
+    early = _run(list("BBBBOOBBB"), list("BOBBOOBBB"), family="balanced-pool")
+    assert evaluate.false_alarms(early, evaluate.OURS)[0] == 1
+    # ... and the state must be the truth's: starved where it was overloaded is false
+    wrong = _run(list("BBOOOBBBB"), list("BBSSSBBBB"), family="balanced-pool")
+    assert evaluate.false_alarms(wrong, evaluate.OURS)[0] == 1
+    # an alarm that changes state mid-way is two alarms, each judged on its own
+    split = _run(list("BBOOBBBBB"), list("BBOOSSBBB"), family="balanced-pool")
+    assert evaluate.false_alarms(split, evaluate.OURS)[0] == 1
+
+
 def test_scores_are_of_the_verdicts() -> None:
     run = _run(list("BBOO"), list("BBOO"))
     assert evaluate.summary([run], evaluate.OURS)["state_macro_f1"] == 1.0
