@@ -1,7 +1,9 @@
 """Recommendations: typed actions for a pool, from persisted verdicts and the capacity model.
 
 Policy, not learning (scikit-learn's split: features, model, then plain code): for each pool of
-a diagnosis, from the verdicts that have held for ``persistence_windows`` windows,
+a diagnosis, from the verdicts that have held for ``persistence_windows`` windows
+(``reweight_windows`` for a re-weighting: the cheapest change, which the controller verifies
+and undoes, waits least),
 
 - a lost GPU or a crashed worker: ``drain`` it (its work goes to the others);
 - an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
@@ -92,6 +94,7 @@ class _Held:
 
     verdict: Verdict
     since_seconds: float
+    windows: int  # how many windows in a row it has held
 
 
 class Recommender:
@@ -99,6 +102,9 @@ class Recommender:
 
     ``capacity``: the (unfitted) capacity model, copied and fitted on each call.
     ``persistence_windows``: windows in a row a GPU's verdict must hold before it is acted on.
+    ``reweight_windows``: the same before a re-weighting, the cheapest change, which the
+    controller bounds per step, verifies and undoes: each window a skew is left alone adds to
+    the queue every later request waits behind.
     ``target_rho``: the pool ρ a scale-out or a scale-in aims at. ``min_gain_rho``: the least
     drop of the pool's highest ρ that makes a re-weighting or a move worth its change.
     ``ttl_seconds``: how long a recommendation stands unless a later call renews it.
@@ -111,6 +117,7 @@ class Recommender:
         self,
         capacity: CapacityModel | None = None,
         persistence_windows: int = 2,
+        reweight_windows: int = 1,
         target_rho: float = 0.7,
         min_gain_rho: float = 0.1,
         ttl_seconds: float = 120.0,
@@ -119,6 +126,7 @@ class Recommender:
     ) -> None:
         self.capacity = capacity
         self.persistence_windows = persistence_windows
+        self.reweight_windows = reweight_windows
         self.target_rho = target_rho
         self.min_gain_rho = min_gain_rho
         self.ttl_seconds = ttl_seconds
@@ -130,6 +138,8 @@ class Recommender:
     ) -> tuple[Recommendation, ...]:
         if self.persistence_windows < 1:
             raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
+        if self.reweight_windows < 1:
+            raise ValueError(f"reweight_windows must be 1 or more: {self.reweight_windows}")
         if not 0 < self.target_rho < 1:
             raise ValueError(f"target_rho must be between 0 and 1: {self.target_rho}")
         if self.move_rho <= 0:
@@ -195,7 +205,9 @@ class Recommender:
         # a reshaped pool is judged on too few windows of its new shape (its load, its
         # capacity): a second move at it would stack on the first before anyone saw what the
         # first did
-        settled = [p for p in pools if p.pool not in reshaped]
+        # (and one whose verdicts are too fresh for any action but a re-weighting is not yet
+        # judged at all)
+        settled = [p for p in pools if p.pool not in reshaped and p.held]
         moves: list[_Move] = []
         for busy in settled:
             queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]
@@ -210,7 +222,8 @@ class Recommender:
         return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
 
     def _held(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], _Held]:
-        """Per GPU, its latest verdict when the last ``persistence_windows`` agree."""
+        """Per GPU, its latest verdict when the last ``persistence_windows`` agree, or the
+        last ``reweight_windows`` where those are fewer."""
         by_gpu: dict[tuple[str, int], list[Verdict]] = {}
         for verdict in verdicts:
             by_gpu.setdefault((verdict.host, verdict.gpu), []).append(verdict)
@@ -223,8 +236,8 @@ class Recommender:
                 if _situation(verdict) != _situation(last):
                     break
                 run += 1
-            if run >= self.persistence_windows:
-                out[key] = _Held(last, series[-run].t_start)
+            if run >= min(self.persistence_windows, self.reweight_windows):
+                out[key] = _Held(last, series[-run].t_start, run)
         return out
 
 
@@ -275,11 +288,16 @@ class _Pool:
         now_seconds: float,
         workers: Mapping[tuple[str, int], tuple[str, ...]],
     ) -> None:
-        self.r = recommender
+        self.r = r = recommender
         self.workers = workers
         self.model = model
         self.host, self.pool = host, pool
-        self.held = {m.verdict.gpu: m for m in members}
+        # the verdicts every action may rest on, and (``recent``) those a re-weighting may
+        self.recent = {m.verdict.gpu: m for m in members if m.windows >= r.reweight_windows}
+        self.held = {
+            m.verdict.gpu: m for m in members if m.windows >= recommender.persistence_windows
+        }
+        self.known = {**self.recent, **self.held}  # what limits a GPU's share, the freshest too
         self.fleet = fleet
         self.now = now_seconds
         self.gpus: dict[int, GpuCapacity] = {g.gpu: g for g in model.pool(host, pool)}
@@ -314,11 +332,15 @@ class _Pool:
                 out.append({"gpu": gpu, "worker": name, "weight": round(share / len(names), 4)})
         return out
 
-    def _held_where(self, state: str, causes: Iterable[str] | None = None) -> list[_Held]:
+    def _held_where(
+        self, state: str, causes: Iterable[str] | None = None, *, recent: bool = False
+    ) -> list[_Held]:
+        """The held verdicts of ``state`` (of ``causes``); ``recent``: those a re-weighting may
+        rest on."""
         wanted = None if causes is None else set(causes)
         return [
             h
-            for g, h in sorted(self.held.items())
+            for g, h in sorted((self.recent if recent else self.held).items())
             if h.verdict.state == state and (wanted is None or h.verdict.cause in wanted)
         ]
 
@@ -390,10 +412,11 @@ class _Pool:
             if c.offered_per_second is not None
         }
 
-    def _down(self) -> list[_Held]:
+    def _down(self, among: Mapping[int, _Held] | None = None) -> list[_Held]:
+        """The GPUs lost or crashed, of ``among`` (default: the verdicts actions rest on)."""
         return [
             h
-            for h in self.held.values()
+            for h in (self.held if among is None else among).values()
             if (h.verdict.state == "unknown" and h.verdict.unknown_reason == "GPU lost")
             or (h.verdict.state == "starved" and h.verdict.cause == "worker_crash")
         ]
@@ -428,22 +451,23 @@ class _Pool:
 
     def _limited(self) -> set[int]:
         """GPUs more work would not help: held back by their host, disk or memory, or down."""
-        out = {h.verdict.gpu for h in self._down()}
-        for g, h in self.held.items():
+        out = {h.verdict.gpu for h in self._down(self.known)}
+        for g, h in self.known.items():
             if h.verdict.cause in HELD_BACK or h.verdict.state == "unknown":
                 out.add(g)
         return out
 
     def _balance(self) -> Recommendation | None:
-        over = self._held_where("overloaded", MISROUTED | {"capacity_shortage"})
-        takers = self._held_where("starved", TAKES_WORK)
-        short = self._held_where("overloaded", {"capacity_shortage"})
+        over = self._held_where("overloaded", MISROUTED | {"capacity_shortage"}, recent=True)
+        takers = self._held_where("starved", TAKES_WORK, recent=True)
+        short = self._held_where("overloaded", {"capacity_shortage"}, recent=True)
         fleet_short = self.fleet is not None and self.fleet.kind == "capacity_shortage"
         # GPUs starved because the routing sends them too little say the others get too much,
         # before any of those is judged overloaded (its queue still building): the capacity
         # model's gain below decides whether other weights help
-        skewed = self._held_where("starved", {"routing_skew"})
-        if not over and not (takers and self._held_where("overloaded")) and not skewed:
+        skewed = self._held_where("starved", {"routing_skew"}, recent=True)
+        overloaded = self._held_where("overloaded", recent=True)
+        if not over and not (takers and overloaded) and not skewed:
             return None
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
@@ -451,11 +475,13 @@ class _Pool:
         # a starved GPU that could take work says the pool has room, whatever a ρ resting on
         # capacity bounds adds up to
         if (pool_rho >= 1.0 and not takers) or (fleet_short and short):
-            return self._scale_out(over or short, pool_rho)
+            # a GPU added is no cheap change: only on verdicts that have persisted
+            lasting = [h for h in over or short if h.windows >= self.r.persistence_windows]
+            return self._scale_out(lasting, pool_rho) if lasting else None
         starved = {h.verdict.gpu for h in takers}
         hot = (
             [h.verdict.gpu for h in over]
-            or [h.verdict.gpu for h in self._held_where("overloaded")]
+            or [h.verdict.gpu for h in overloaded]
             or [g for g in sorted(self.measured) if g not in starved]
         )
         if not self.measured & set(hot):
@@ -487,7 +513,7 @@ class _Pool:
         """Shares of the pool's offered load: GPUs that cannot take more keep theirs (a down
         one none), the rest, with ``new`` GPUs (index -> capacity), go by capacity; None when
         a GPU's capacity is unknown."""
-        limited, down = self._limited(), {h.verdict.gpu for h in self._down()}
+        limited, down = self._limited(), {h.verdict.gpu for h in self._down(self.known)}
         now = self._shares_now()
         total = sum(now.values())
         free = {g: c.capacity_per_second for g, c in self.gpus.items() if g not in limited}

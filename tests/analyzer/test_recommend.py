@@ -95,10 +95,20 @@ def test_the_same_situation_keeps_its_id(default_target: list[Sample]) -> None:
     assert later[0].expires_seconds == ORIGIN_SECONDS + 210 + Recommender().ttl_seconds
 
 
-def test_one_window_is_not_acted_on(default_target: list[Sample]) -> None:
-    assert _recommend(default_target, 30) == ()  # one window: held, not yet persisted
-    assert _actions(_recommend(default_target, 60)) == [("set_weights", "pool:qwen2.5-7b")]
-    assert _recommend(default_target, 60, Recommender(persistence_windows=3)) == ()
+def test_a_reweighting_rests_on_one_window_other_actions_on_two(
+    default_target: list[Sample], tmp_path: Path
+) -> None:
+    # the cheapest change, bounded, verified and undone by the controller, comes first
+    reweight = [("set_weights", "pool:qwen2.5-7b")]
+    assert _actions(_recommend(default_target, 30)) == reweight
+    assert _recommend(default_target, 30, Recommender(reweight_windows=2)) == ()
+    assert _actions(_recommend(default_target, 60, Recommender(reweight_windows=2))) == reweight
+    assert _recommend(default_target, 60, Recommender(reweight_windows=3)) == ()
+    # taking a worker away waits for the verdicts to persist
+    idle = _lab("overprovisioned-fleet", 60, tmp_path)
+    assert _recommend(idle, 30) == ()
+    assert _actions(_recommend(idle, 60)) == [("remove_worker", "gpu:3")]
+    assert _recommend(idle, 60, Recommender(persistence_windows=3)) == ()
 
 
 def test_a_shortage_is_scaled_out_not_reweighted(tmp_path: Path) -> None:
@@ -116,7 +126,9 @@ def test_a_shortage_is_scaled_out_not_reweighted(tmp_path: Path) -> None:
 
 
 def test_a_lost_gpu_is_drained(tmp_path: Path) -> None:
-    found = _recommend(_lab("gpu-lost", 270, tmp_path), 270)
+    lost = _lab("gpu-lost", 270, tmp_path)
+    assert _recommend(lost, 210) == ()  # lost in the window before: not yet persisted
+    found = _recommend(lost, 270)
     assert _actions(found) == [("drain", "gpu:2")]
     assert "GPU 2 is lost" in found[0].reason
 
