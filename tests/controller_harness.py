@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,13 +259,10 @@ def lane_ports() -> tuple[int, int]:
     return first, first + 199
 
 
-def kill_workers(instance_prefix: str, timeout_seconds: float = 10.0) -> list[str]:
-    """SIGKILL the process group of every worker whose supervisor instance starts with
-    ``instance_prefix`` and wait until each has exited (its port free again); what each was.
-
-    A worker that outlives its test holds its port into the next test, whose supervisor may
-    give that port out while the survivor still loads (it binds only then): the next test's
-    worker exits at start-up, or a health check meant for it is answered by the survivor."""
+def marked_processes(key: str, prefix: str) -> dict[int, dict[bytes, bytes]]:
+    """pid -> environment of every process whose environment has ``key`` with a value that
+    starts with ``prefix``: a test's own processes, found by what it gave them, never by a pid
+    it once saw (pids are reused, the more so on a host whose pid_max is 32768)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -275,21 +272,42 @@ def kill_workers(instance_prefix: str, timeout_seconds: float = 10.0) -> list[st
         except OSError:
             continue
         env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
-        mark = env.get(MARK.encode(), b"").decode()
-        if mark.startswith(instance_prefix) and b"GPUBALANCE_PORT" in env:
-            found[int(entry.name)] = (
-                f"pid {entry.name} of {mark}: GPU {env[b'GPUBALANCE_GPU'].decode()}, "
-                f"{env[b'GPUBALANCE_POOL'].decode()}, port {env[b'GPUBALANCE_PORT'].decode()}"
-            )
-    for pid in found:
+        if key.encode() in env and env[key.encode()].decode().startswith(prefix):
+            found[int(entry.name)] = env
+    return found
+
+
+def kill_groups(pids: Iterable[int], timeout_seconds: float = 10.0) -> None:
+    """SIGKILL the process group of each of ``pids`` (never the caller's) and wait until each
+    has exited."""
+    pids = list(pids)
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             group = os.getpgid(pid)
             if group != os.getpgrp():  # a worker runs in a session of its own; never ours
                 os.killpg(group, signal.SIGKILL)
     deadline = time.monotonic() + timeout_seconds
-    for pid in found:
+    for pid in pids:
         while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def kill_workers(instance_prefix: str, timeout_seconds: float = 10.0) -> list[str]:
+    """SIGKILL the process group of every worker whose supervisor instance starts with
+    ``instance_prefix`` and wait until each has exited (its port free again); what each was.
+
+    A worker that outlives its test holds its port into the next test, whose supervisor may
+    give that port out while the survivor still loads (it binds only then): the next test's
+    worker exits at start-up, or a health check meant for it is answered by the survivor."""
+    found = {
+        pid: (
+            f"pid {pid} of {env[MARK.encode()].decode()}: GPU {env[b'GPUBALANCE_GPU'].decode()}, "
+            f"{env[b'GPUBALANCE_POOL'].decode()}, port {env[b'GPUBALANCE_PORT'].decode()}"
+        )
+        for pid, env in marked_processes(MARK, instance_prefix).items()
+        if b"GPUBALANCE_PORT" in env
+    }
+    kill_groups(found, timeout_seconds)
     return sorted(found.values())
 
 

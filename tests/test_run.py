@@ -7,7 +7,6 @@ behind it), and judge it by what its parts serve and by the processes it leaves.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -19,11 +18,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from controller_harness import Backends, haproxy_over, needs_haproxy
+from controller_harness import Backends, haproxy_over, kill_groups, marked_processes, needs_haproxy
 
 from gpubalance.cli import main
 from gpubalance.lab.fakenvml import LIBRARY_NAME, write_state
@@ -33,6 +33,8 @@ STARTED = re.compile(
     r"controller (\S+) \(pid (\d+)\); (.*)"
 )
 DEADLINE_SECONDS = 60.0
+# the environment variable each `gpubalance run` a test starts passes to its parts
+STACK_MARK = "GPUBALANCE_TEST_STACK"
 
 
 def with_haproxy(test):  # type: ignore[no-untyped-def]
@@ -113,12 +115,14 @@ class RunningStack:
     """`gpubalance run` as a user starts it, its log read as it comes."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+        # what its parts inherit, by which close() finds them (not by pids: those are reused)
+        self.mark = f"{os.getpid()}-{uuid.uuid4().hex}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpubalance", "run", *argv],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**env, STACK_MARK: self.mark},
             cwd=cwd,
             start_new_session=True,  # a process group of its own, as a shell's job has
         )
@@ -151,16 +155,15 @@ class RunningStack:
     def close(self) -> None:
         """After a failed assertion too: SIGTERM it, which stops its parts; then SIGKILL any
         part still there. Each part has a process group of its own, so killing this process
-        alone would leave them running for the rest of the suite."""
+        alone would leave them running for the rest of the suite. The parts are found by the
+        mark they inherited: the pids the log names may be another test's processes by now."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=DEADLINE_SECONDS)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        for pid in re.findall(r"gpubalance run: starting the \w+ \(pid (\d+)\)", self.log):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(int(pid), signal.SIGKILL)
+        kill_groups(marked_processes(STACK_MARK, self.mark))
 
 
 def _get(url: str) -> bytes:
