@@ -288,16 +288,19 @@ class _Pool:
         now_seconds: float,
         workers: Mapping[tuple[str, int], tuple[str, ...]],
     ) -> None:
-        self.r = r = recommender
+        self.r = recommender
         self.workers = workers
         self.model = model
         self.host, self.pool = host, pool
-        # the verdicts every action may rest on, and (``recent``) those a re-weighting may
-        self.recent = {m.verdict.gpu: m for m in members if m.windows >= r.reweight_windows}
-        self.held = {
-            m.verdict.gpu: m for m in members if m.windows >= recommender.persistence_windows
+        # every held verdict, the freshest too (what limits a GPU's share); of those, what a
+        # re-weighting may rest on (``recent``) and what every action may (``held``)
+        self.known = {m.verdict.gpu: m for m in members}
+        self.recent = {
+            g: m for g, m in self.known.items() if m.windows >= recommender.reweight_windows
         }
-        self.known = {**self.recent, **self.held}  # what limits a GPU's share, the freshest too
+        self.held = {
+            g: m for g, m in self.known.items() if m.windows >= recommender.persistence_windows
+        }
         self.fleet = fleet
         self.now = now_seconds
         self.gpus: dict[int, GpuCapacity] = {g.gpu: g for g in model.pool(host, pool)}
