@@ -18,7 +18,6 @@ import abc
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from sklearn.exceptions import NotFittedError
 
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.diagnosis import CAUSES_OF, STATES, Cause, State
@@ -87,6 +86,10 @@ class _RuleClassifier(abc.ABC):
 
     def predict_proba(self, table: FeatureTable) -> np.ndarray:
         if not hasattr(self, "classes_"):
+            # scikit-learn's own error, imported here: a command that never fits a model
+            # starts without loading scikit-learn
+            from sklearn.exceptions import NotFittedError
+
             raise NotFittedError(f"{type(self).__name__} is not fitted yet: call fit first")
         truth, causes = self._judge(table)
         unknown = truth.pop("unknown", np.zeros(len(table.frames)))

@@ -33,33 +33,49 @@ NESTED: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` only that subcommand's module is imported and
+    configured (the others are listed by their help alone), so a command starts without
+    loading every part's libraries."""
     parser = argparse.ArgumentParser(
         prog="gpubalance",
         description="Observability and imbalance diagnosis for multi-GPU NVIDIA RTX servers.",
     )
     parser.add_argument("--version", action="version", version=f"gpubalance {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_commands(sub, SUBCOMMANDS)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if command is None or name == command:
+            _add_command(sub, name, module_name, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
-def _add_commands(
+def _add_command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    commands: dict[str, tuple[str, str]],
+    name: str,
+    module_name: str,
+    help_text: str,
 ) -> None:
-    for name, (module_name, help_text) in commands.items():
-        module = importlib.import_module(module_name)
-        child = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.configure(child)
-        child.set_defaults(_run=module.run)
-        if name in NESTED:
-            nested = importlib.import_module(NESTED[name])
-            nested.add_commands(child.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
+    module = importlib.import_module(module_name)
+    child = sub.add_parser(name, help=help_text, description=module.__doc__)
+    module.configure(child)
+    child.set_defaults(_run=module.run)
+    if name in NESTED:
+        nested = importlib.import_module(NESTED[name])
+        nested.add_commands(child.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level
+    takes no option with a value). Empty when there is none."""
+    return next((word for word in argv if not word.startswith("-")), "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(words)
+    args = build_parser(command if command in SUBCOMMANDS else "").parse_args(words)
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

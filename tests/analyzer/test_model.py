@@ -64,6 +64,25 @@ def test_a_pickle_is_refused_and_not_run(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_a_skops_file_of_other_types_is_refused_naming_them(tmp_path: Path) -> None:
+    import fractions
+
+    import skops.io as sio
+
+    path = tmp_path / "model.skops"
+    header = json.dumps({"format": model.FORMAT})
+    sio.dump({"header": header, "estimator": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(ModelError, match=r"never does: fractions\.Fraction$"):
+        model.load(path)
+    # a builtin function is not one of skops' safe builtins: skops refuses it as it loads
+    sio.dump({"header": header, "estimator": eval}, path)
+    with pytest.raises(ModelError, match=r"not a gpubalance model file .*builtins\.eval"):
+        model.load(path)
+    path.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip: no schema
+    with pytest.raises(ModelError, match="not a gpubalance model file"):
+        model.load(path)
+
+
 def test_a_model_of_other_columns_is_refused(dataset: Dataset, tmp_path: Path) -> None:
     import skops.io as sio
 
