@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 # command -> Debian package that provides it
 SYSTEM_DEPS := gcc:gcc promtool:prometheus haproxy:haproxy openssl:openssl chromium:chromium amtool:prometheus-alertmanager
 FUZZ_INPUTS ?= 100000
-# repetitions of `make test-repeat`
+# repetitions of `make test-repeat`, and its pytest-xdist workers (1: one test at a time)
 N ?= 5
+REPEAT_JOBS ?= 1
 # pytest-xdist workers of `make test` (the CI machine has 2 cores)
 TEST_JOBS ?= 2
 # `make eval` and `make model`: variants per scenario family
@@ -56,7 +57,7 @@ test: venv system-deps fakenvml lint
 
 # the tests that run on real clocks, N rounds of all of them: counts how often each passes
 test-repeat: venv system-deps fakenvml
-	$(VENV)/bin/pytest -q -m "live or haproxy or timing" --count $(N) --repeat-scope session
+	$(VENV)/bin/pytest -q -n $(REPEAT_JOBS) -m "live or haproxy or timing" --count $(N) --repeat-scope session
 
 demo: venv system-deps fakenvml
 	$(PY) -m gpubalance lab demo

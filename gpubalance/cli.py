@@ -74,8 +74,7 @@ def _command_of(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
-    command = _command_of(words)
-    args = build_parser(command if command in SUBCOMMANDS else "").parse_args(words)
+    args = build_parser(_command_of(words)).parse_args(words)
     try:
         return int(args._run(args))
     except KeyboardInterrupt:
