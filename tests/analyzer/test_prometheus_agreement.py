@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +57,14 @@ pytestmark = [
 
 WINDOW = 10.0
 INTERVAL = 1.0  # the exporter samples and Prometheus scrapes every second
-SNAPSHOT_AFTER_SAMPLES = 85  # what the exporter holds when its history is taken
-# the most the lab runs: the exporter skips the ticks it is late for, so on a busy machine it
-# holds its 85 samples well after 85 s; the run is stopped once they are taken and scraped
-DURATION = 180.0
+SNAPSHOT_AFTER_SAMPLES = 85  # what the exporter holds at least when its history is taken
+HISTORY = 200  # samples asked for: every one since the start (the exporter keeps 300 s)
+# ... and windows in a row it covers whole on every GPU (10 samples of 10): the comparison
+# needs 5 per GPU, and a window Prometheus missed a scrape of drops out of it
+WHOLE_WINDOWS = 6
+# the most the lab runs: the exporter skips the ticks it is late for, so on a busy machine its
+# windows fill later than 10 s each; the run is stopped once they are taken and scraped
+DURATION = 300.0
 T = TypeVar("T")
 
 # Tolerances (absolute, relative) on top of the band the neighbouring windows span. Each sample
@@ -234,7 +239,8 @@ class Seen:
 
 def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheus]) -> Seen:
     """The skewed demo server live, scraped by Prometheus; the exporter's history taken once
-    it holds 85 samples, Prometheus waited for until it has them too, then the run stopped."""
+    it covers six whole windows in a row on every GPU, Prometheus waited for until it has them
+    too, then the run stopped."""
     plan = scenario.load("skewed-heterogeneous")
     requests = traffic.generate(plan.scenario.traffic, DURATION, plan.scenario.seed)
     ready = threading.Event()
@@ -274,7 +280,22 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             return taken if taken >= SNAPSHOT_AFTER_SAMPLES else None
 
         wait_until(exporter_samples, DURATION, "the exporter's samples")
-        recording = exporter_recording(url, SNAPSHOT_AFTER_SAMPLES + 20, timeout=30)
+
+        def whole_windows() -> Recording | None:
+            recording = exporter_recording(url, HISTORY, timeout=30)
+            last = recording.samples[-1].timestamp_seconds
+            whole = {
+                (f.uuid, round(f.t_start / WINDOW))
+                for f in complete_windows(recording.frames(WINDOW), last)
+                if f.sample_count == f.expected_sample_count
+            }
+            after_whole = Counter(uuid for uuid, k in whole if (uuid, k - 1) in whole)
+            if len(after_whole) == 4 and min(after_whole.values()) >= WHOLE_WINDOWS:
+                return recording
+            time.sleep(2)  # a window fills in 10 s: no need to ask every 0.2 s
+            return None
+
+        recording = wait_until(whole_windows, DURATION, "whole windows on every GPU")
         exporter_source = open_source(url)
         exporter_frames = exporter_source.frames(None, None, WINDOW)
         last = recording.samples[-1].timestamp_seconds
