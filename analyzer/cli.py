@@ -145,17 +145,20 @@ def _load_model(path: Path | None) -> Classifier:
         raise DiagnoseError(f"--classifier model {exc}") from None
 
 
-def _frames(source: str, window_seconds: float) -> list[GpuFrame]:
+def _frames(source: str, window_seconds: float) -> tuple[list[GpuFrame], str | None]:
     """The frames of a source: a lab run directory, an exporter or a Prometheus API (Thanos,
-    Mimir), whichever answers (``sources.open_source``)."""
+    Mimir), whichever answers (``sources.open_source``); and what its recording cannot show
+    (a lab run without snapshots), None when nothing is missing."""
     from gpubalance.analyzer import sources
 
     try:
-        return sources.open_source(source).frames(None, None, window_seconds)
+        found = sources.open_source(source)
+        frames = found.frames(None, None, window_seconds)
     except sources.SourceError as exc:
         raise DiagnoseError(str(exc)) from None
     except ValueError as exc:  # a window shorter than the source's sampling interval
         raise DiagnoseError(f"--window {window_seconds:g}: {exc}") from None
+    return frames, found.shortfall if isinstance(found, sources.LabRunSource) else None
 
 
 def _diagnose(
@@ -165,7 +168,10 @@ def _diagnose(
     from gpubalance.analyzer.verdict import Verdicts
 
     with _status(f"reading {source}"):
-        frames = _frames(source, window_seconds)
+        frames, shortfall = _frames(source, window_seconds)
+    if shortfall:
+        print(f"gpubalance diagnose: warning: {shortfall}", file=sys.stderr)
+    with _status(f"judging {source}"):
         if not frames:
             raise NothingYet(
                 f"--from {source}: not one complete {window_seconds:g} s window to judge"

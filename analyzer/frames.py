@@ -499,8 +499,10 @@ def frames_from_lab_rows(
 ) -> Iterator[GpuFrame]:
     """Frames from a lab run's ``frames.csv`` (one row per GPU per sample period).
 
-    The CSV is what the lab recorded without ``--snapshots``: per-period figures, times in
-    seconds since the run's start, no host or process series (those frames say None).
+    The CSV is what the lab records beside its snapshots (alone with ``--no-snapshots``):
+    per-period figures, times in seconds since the run's start, no host or process series,
+    clock or power limits or queue names (those frames say None; ``sources.lab_run_shortfall``
+    says so to the user).
     """
     by_window: dict[int, dict[int, list[dict[str, str]]]] = {}
     period: float | None = None

@@ -150,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"gpubalance report: {exc}", file=sys.stderr)
         return 2
+    from gpubalance.analyzer.sources import lab_run_shortfall
+
+    shortfall = lab_run_shortfall(args.source)
+    if shortfall:
+        print(f"gpubalance report: warning: {shortfall}", file=sys.stderr)
     try:
         args.out.write_text(page, encoding="utf-8")
     except OSError as exc:

@@ -68,6 +68,21 @@ def read_snapshots(path: Path) -> Recording:
     return Recording(samples[0].hostname, interval, tuple(samples), origin)
 
 
+def lab_run_shortfall(directory: Path) -> str | None:
+    """What a lab run directory's recording cannot show, or None when it has its snapshots:
+    frames.csv (a run recorded with `--no-snapshots`, or before snapshots were the default)
+    has no host or process series, no clock or power limits and no queue names."""
+    if (directory / "snapshots.jsonl").is_file():
+        return None
+    return (
+        f"{directory} has no snapshots.jsonl, only frames.csv, which has no host CPU, "
+        "pressure or iowait, no process reads, no clock or power limits and no serving queue "
+        "names: host_bound and io_bound go unseen, throttling shows by its reasons alone, and "
+        "every GPU counts as one pool; `gpubalance lab run` records them (its default, "
+        "--snapshots)"
+    )
+
+
 def lab_run_frames(directory: Path, window_seconds: float) -> list[GpuFrame]:
     """Frames of a lab run directory, from its snapshots when it has them, else frames.csv.
 
@@ -200,6 +215,11 @@ class LabRunSource:
     @property
     def description(self) -> str:
         return f"lab run {self.directory}"
+
+    @property
+    def shortfall(self) -> str | None:
+        """What its recording cannot show (:func:`lab_run_shortfall`)."""
+        return lab_run_shortfall(self.directory)
 
     def frames(
         self,

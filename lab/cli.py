@@ -42,8 +42,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--out", type=Path, required=True, metavar="DIR")
     run.add_argument(
         "--snapshots",
-        action="store_true",
-        help="also write snapshots.jsonl (the exporter's /api/v1/snapshot schema)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write snapshots.jsonl, the exporter's /api/v1/snapshot schema (default: on): "
+        "what `gpubalance diagnose --from DIR` reads; frames.csv, which it reads without them, "
+        "has no host, process, clock-limit or pool series",
     )
     gen = sub.add_parser(
         "generate",

@@ -128,6 +128,20 @@ def test_json_has_one_row_per_gpu_and_window(
     }
 
 
+def test_a_run_without_snapshots_says_what_its_frames_cannot_show(
+    run_dir: Path, csv_dir: Path, diagnose: Callable[..., Result]
+) -> None:
+    recorded = diagnose("--from", str(run_dir), "--format", "json", *RULE)
+    assert recorded.returncode == 0 and recorded.stderr == ""
+    csv_only = diagnose("--from", str(csv_dir), "--format", "json", *RULE)
+    assert _rows(csv_only)  # still judged, and the warning stays out of the JSON
+    [warning] = csv_only.stderr.splitlines()
+    assert warning.startswith(f"gpubalance diagnose: warning: {csv_dir} has no snapshots.jsonl")
+    for said in ("no host CPU", "no serving queue names", "host_bound and io_bound go unseen"):
+        assert said in warning
+    assert warning.endswith("`gpubalance lab run` records them (its default, --snapshots)")
+
+
 def test_the_csv_tells_the_same_story_as_the_snapshots(
     run_dir: Path, csv_dir: Path, diagnose: Callable[..., Result]
 ) -> None:

@@ -3,6 +3,7 @@ clear line and exit code 2 before anything runs, warnings on stderr, no tracebac
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -57,6 +58,23 @@ def test_run_warns_on_stderr_and_still_runs(
         "the run's end (60 s): the disk event falls after the run's arrivals, frames and truth"
     ]
     assert (out / "truth.csv").exists()
+
+
+@pytest.mark.parametrize(("flags", "recorded"), [((), True), (("--no-snapshots",), False)])
+def test_run_records_the_exporters_snapshots_unless_told_not_to(
+    flags: tuple[str, ...], recorded: bool, scenario_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert (
+        main(["lab", "run", str(scenario_file), "--duration", "30", *flags, "--out", str(out)]) == 0
+    )
+    assert (out / "frames.csv").is_file()
+    snapshots = out / "snapshots.jsonl"
+    assert snapshots.is_file() is recorded
+    if recorded:
+        lines = snapshots.read_text().splitlines()
+        assert len(lines) == 30  # one per sample of 1 s
+        assert json.loads(lines[0])["schema"] == "gpubalance.snapshot/v1"
 
 
 @pytest.mark.parametrize("duration", ["-5", "0", "nan", "inf"])

@@ -57,6 +57,7 @@ def report(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("report") / "report.html"
     result = _gpubalance("report", "--from", run_dir, "--out", out)
     assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr, result.stderr
     assert "4 GPUs" in result.stdout and "1 controller actions" in result.stdout
     return out
 
@@ -161,6 +162,9 @@ def test_report_reads_a_run_without_snapshots(run_dir: Path, tmp_path: Path) -> 
     result = _gpubalance("report", "--from", csv_only, "--out", out)
     assert result.returncode == 0, result.stderr
     assert len(_images(out.read_text())) == 5
+    # it says what a frames.csv cannot show, once; a run with its snapshots gets no warning
+    assert result.stderr.count("gpubalance report: warning: ") == 1, result.stderr
+    assert f"{csv_only} has no snapshots.jsonl" in result.stderr
 
 
 @pytest.mark.parametrize(
