@@ -158,7 +158,9 @@ def _frames(source: str, window_seconds: float) -> tuple[list[GpuFrame], str | N
         raise DiagnoseError(str(exc)) from None
     except ValueError as exc:  # a window shorter than the source's sampling interval
         raise DiagnoseError(f"--window {window_seconds:g}: {exc}") from None
-    return frames, found.shortfall if isinstance(found, sources.LabRunSource) else None
+    if isinstance(found, sources.LabRunSource):
+        return frames, sources.lab_run_shortfall(found.directory)
+    return frames, None
 
 
 def _diagnose(

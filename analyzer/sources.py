@@ -216,11 +216,6 @@ class LabRunSource:
     def description(self) -> str:
         return f"lab run {self.directory}"
 
-    @property
-    def shortfall(self) -> str | None:
-        """What its recording cannot show (:func:`lab_run_shortfall`)."""
-        return lab_run_shortfall(self.directory)
-
     def frames(
         self,
         start: float | None,

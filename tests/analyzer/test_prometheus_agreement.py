@@ -284,12 +284,8 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         def whole_windows() -> Recording | None:
             recording = exporter_recording(url, HISTORY, timeout=30)
             last = recording.samples[-1].timestamp_seconds
-            whole = {
-                (f.uuid, round(f.t_start / WINDOW))
-                for f in complete_windows(recording.frames(WINDOW), last)
-                if f.sample_count == f.expected_sample_count
-            }
-            after_whole = Counter(uuid for uuid, k in whole if (uuid, k - 1) in whole)
+            frames = list(complete_windows(recording.frames(WINDOW), last))
+            after_whole = Counter(uuid for uuid, _ in _whole_after_whole(_by_window(frames)))
             if len(after_whole) == 4 and min(after_whole.values()) >= WHOLE_WINDOWS:
                 return recording
             time.sleep(2)  # a window fills in 10 s: no need to ask every 0.2 s
@@ -380,6 +376,14 @@ def _by_window(frames: list[GpuFrame]) -> dict[tuple[str, int], GpuFrame]:
     return {(f.uuid, round(f.t_start / WINDOW)): f for f in frames}
 
 
+def _whole_after_whole(
+    windows: dict[tuple[str, int], GpuFrame],
+) -> set[tuple[str, int]]:
+    """The windows holding every sample, whose window before holds every sample too."""
+    whole = {key for key, f in windows.items() if f.sample_count == f.expected_sample_count}
+    return {(uuid, k) for uuid, k in whole if (uuid, k - 1) in whole}
+
+
 def _neighbours(table: dict[tuple[str, int], T], uuid: str, k: int) -> list[T]:
     return [table[(uuid, j)] for j in (k - 1, k, k + 1) if (uuid, j) in table]
 
@@ -434,10 +438,7 @@ def assert_agreement(
     assert len({u for u, _ in scraped}) == 4
     # compared: the windows the snapshots cover whole, with the one before them (the history
     # starts inside its first window; Prometheus' lag reaches back into the one before)
-    whole = {key for key, f in snapshots.items() if f.sample_count == f.expected_sample_count}
-    compared = sorted(
-        (uuid, k) for uuid, k in whole if (uuid, k - 1) in whole and (uuid, k) in scraped
-    )
+    compared = sorted(key for key in _whole_after_whole(snapshots) if key in scraped)
     assert len(compared) >= 4 * 5, f"only {len(compared)} GPU windows seen whole both ways"
 
     mismatches: list[str] = []
