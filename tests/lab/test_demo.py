@@ -156,16 +156,22 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             assert change.findall(listing) == logged, listing
             assert all(e["action"] == "set_weight" for e in applied)
 
-            # the one-line summary: the idle-while-queued share the analyzer reads off the
-            # exporter falls once the controller re-weighted the pool
-            # (when the last change lands in the run's final seconds no reading follows it,
-            # and the line says so with n/a rather than figures)
+            # the one-line summary: the p99 the workers report or the idle-while-queued share
+            # the analyzer reads off the exporter falls once the controller re-weighted the
+            # pool. Not both every time: with the other core busy, the live lab's workers wait
+            # for a core, their GPUs idle while work queues whatever the weights, and the
+            # idle share may not fall within the demo's 25 s while the p99 does (seen once in
+            # 12 runs four at a time beside a busy core: 2.47 -> 1.84 s, 52% -> 56%).
+            # (When the last change lands in the run's final seconds no reading follows it,
+            # and the line says so with n/a rather than figures.)
             summaries = SUMMARY.findall(out)
             if summaries:
-                ((changes, _, _, idle_before, idle_after),) = summaries
+                ((changes, p99_before, p99_after, idle_before, idle_after),) = summaries
                 assert int(changes) == len(applied)
                 if int(idle_before) > 0:
-                    assert int(idle_after) < int(idle_before), summaries
+                    assert int(idle_after) < int(idle_before) or float(p99_after) < float(
+                        p99_before
+                    ), summaries
                 else:
                     # with the other core busy the workers share one, every queue holds work
                     # and no peer idled before the change (the analyzer saw the skew in the
