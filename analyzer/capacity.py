@@ -1,9 +1,11 @@
 """Capacity: what each GPU can serve, what it is offered, and ρ, from telemetry alone.
 
 A GPU's **capacity** is its service rate in completions per second when work never runs out:
-measured in the windows in which its queue holds at least a batch and it is busy (``queue
-batches`` ≥ ``saturated_queue_batches``, utilization ≥ ``saturated_utilization_ratio``); then
-the batches run full, and what it completes is what it can. A GPU with few such windows is
+measured in the windows in which its queue holds work all along and it is busy (``queue
+batches`` ≥ ``saturated_queue_batches``, by default half a batch on average, the features'
+``QUEUED_BATCHES``; utilization ≥ ``saturated_utilization_ratio``); then it serves without
+pause, and what it completes is what it can, or a little under where its batches run short of
+full (its ρ then errs high: weights move less work to it, not more). A GPU with few such windows is
 shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows' worth of the
 peers' figure); one with none takes its peers' figure, else what its card's full batches cost
 it (``fitted``: the features' line through its card's batch times against their sizes, as
@@ -31,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpubalance.analyzer.features import FeatureTable
+from gpubalance.analyzer.features import QUEUED_BATCHES, FeatureTable
 from gpubalance.analyzer.frames import GpuFrame
 
 CapacitySource = Literal["saturated", "shrunk", "peers", "fitted", "busy_rate", "none"]
@@ -97,7 +99,7 @@ class CapacityModel:
 
     def __init__(
         self,
-        saturated_queue_batches: float = 1.0,
+        saturated_queue_batches: float = QUEUED_BATCHES,
         saturated_utilization_ratio: float = 0.9,
         history_windows: int = 10,
         prior_windows: float = 2.0,

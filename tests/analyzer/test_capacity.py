@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 from analyzer_harness import healthy_frame
 
-from gpubalance.analyzer.capacity import CapacityModel, drain_seconds, idle_while_queued
+from gpubalance.analyzer.capacity import (
+    CapacityModel,
+    GpuCapacity,
+    drain_seconds,
+    idle_while_queued,
+)
 from gpubalance.analyzer.features import FeatureBuilder
 from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
 from gpubalance.lab import run as lab_run
@@ -197,26 +202,45 @@ def test_rho_matches_the_ground_truth_where_a_peer_of_the_same_card_queues(
 
 def test_a_card_that_never_queued_takes_the_cost_its_batch_times_fit(tmp_path: Path) -> None:
     # skewed-heterogeneous under leastconn with its weights 8/2/2/1: GPU 0 is sent near all
-    # it serves, but its queue stays under a batch, and no 4090 queues; the line through the
-    # 4090s' batch times against their sizes prices a full batch. The 3090's batches give no
-    # line (its rho_fitted_ratio is unknown), so only its busy rate bounds it
+    # it serves, but its queue stays under a batch, and no 4090 queues one; counting only a
+    # batch or more as work waiting, the line through the 4090s' batch times against their
+    # sizes prices a full batch. The 3090's batches give no line (its rho_fitted_ratio is
+    # unknown), so only its busy rate bounds it
     samples: list[Sample] = []
     plan = bench_plan(scenario.load("skewed-heterogeneous"), "leastconn")
     lab_run.run(plan, "fast", 210, 1, tmp_path, on_sample=samples.append)
     frames = frames_from_samples(
         samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
     )
-    model = CapacityModel().fit(FeatureBuilder().transform(frames))
+    table = FeatureBuilder().transform(frames)
     with (tmp_path / "truth_evidence.csv").open() as f:
         truth = [r for r in csv.DictReader(f) if 90 <= float(r["t_start"]) < 210]
-    gpus = {g.gpu: g for g in model.pool("skewed-heterogeneous", "llama-3.2-3b")}
+
+    def pool(model: CapacityModel) -> dict[int, GpuCapacity]:
+        model.fit(table)
+        return {g.gpu: g for g in model.pool("skewed-heterogeneous", "llama-3.2-3b")}
+
+    def rho_near_the_truth(gpus: dict[int, GpuCapacity]) -> None:
+        for gpu in range(3):
+            realised = statistics.fmean(float(r["rho"]) for r in truth if int(r["gpu"]) == gpu)
+            assert gpus[gpu].rho == pytest.approx(realised, abs=0.1), gpu
+
+    gpus = pool(CapacityModel(saturated_queue_batches=1.0))
     assert {g: c.source for g, c in gpus.items()} == {
         0: "fitted",
         1: "fitted",
         2: "fitted",
         3: "busy_rate",
     }
-    for gpu in range(3):
-        realised = statistics.fmean(float(r["rho"]) for r in truth if int(r["gpu"]) == gpu)
-        assert gpus[gpu].rho == pytest.approx(realised, abs=0.1), gpu
+    rho_near_the_truth(gpus)
     assert gpus[0].measured and not gpus[3].measured
+    # by default half a batch waiting on average is work waiting: GPU 0 measures its own
+    # capacity, the other 4090s take it, and their rho stays as close
+    gpus = pool(CapacityModel())
+    assert {g: c.source for g, c in gpus.items()} == {
+        0: "saturated",
+        1: "peers",
+        2: "peers",
+        3: "busy_rate",
+    }
+    rho_near_the_truth(gpus)
