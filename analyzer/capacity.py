@@ -5,12 +5,12 @@ measured in the windows in which its queue holds work all along and it is busy (
 batches`` ≥ ``saturated_queue_batches``, by default half a batch on average, the features'
 ``QUEUED_BATCHES``; utilization ≥ ``saturated_utilization_ratio``); then it serves without
 pause, and what it completes is what it can, or a little under where its batches run short of
-full (its ρ then errs high: weights move less work to it, not more). A GPU with few such windows is
-shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows' worth of the
-peers' figure); one with none takes its peers' figure, else what its card's full batches cost
-it (``fitted``: the features' line through its card's batch times against their sizes, as
-``rho_fitted_ratio`` reads it; never below its busy rate), else its own best rate per busy
-second (completions over utilization), a lower bound: partial batches serve fewer requests
+full (its ρ then errs high: weights move less work to it, not more). A GPU with few such
+windows is shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows'
+worth of the peers' figure); one with none takes its peers' figure, else what its card's full
+batches cost it (``fitted``: the features' line through its card's batch times against their
+sizes, as ``rho_fitted_ratio`` reads it; never below its busy rate), else its own best rate per
+busy second (completions over utilization), a lower bound: partial batches serve fewer requests
 per busy second than full ones, so that GPU's ρ is an upper bound (``measured`` is False).
 Where none exists the capacity is None: the telemetry cannot say.
 
