@@ -284,16 +284,18 @@ class CapacityModel:
         pool: str,
         shares: Mapping[int, float],
         capacity_per_second: Mapping[int, float] | None = None,
+        offered_per_second: float | None = None,
     ) -> dict[int, float] | None:
         """ρ of each GPU if the pool's offered load went in ``shares`` (GPU index -> share,
         normalised here); ``capacity_per_second`` gives GPUs the pool does not have yet (scale
-        out). None when a share lands on a GPU whose capacity is unknown, or the pool's
-        offered load is."""
+        out); ``offered_per_second`` a load other than the pool's now (its busiest window).
+        None when a share lands on a GPU whose capacity is unknown, or the pool's offered load
+        is."""
         members = {g.gpu: g for g in self.pool(host, pool)}
         offered = [g.offered_per_second for g in members.values()]
         if any(o is None for o in offered):
             return None
-        total = self.offered(host, pool)
+        total = self.offered(host, pool) if offered_per_second is None else offered_per_second
         weight = sum(shares.values())
         if weight <= 0:
             return None

@@ -12,7 +12,9 @@ and undoes, waits least),
 - a shortage (total ρ ≥ 1 with no GPU that could take work, or the fleet verdict says so):
   ``scale_out`` by as many GPUs of the pool's card as bring the pool under ``target_rho``;
 - over-provisioning (every GPU starved for want of demand): ``remove_worker`` of the GPU with the
-  least capacity, when the rest stay under ``target_rho``;
+  least capacity, when the rest stay under ``target_rho`` at the pool's busiest of the latest
+  ``scale_in_windows`` windows (none before the pool has that many): demand that comes in
+  bursts would otherwise lose a GPU in each lull and queue in the next burst;
 - batching that idles the GPU: ``tune_batching``; interactive work behind batch work in one
   queue: ``split_pools``; a host, disk, memory or clock limit: ``investigate_host`` (a person or a
   runbook must look: no routing change cures it).
@@ -110,7 +112,10 @@ class Recommender:
     ``ttl_seconds``: how long a recommendation stands unless a later call renews it.
     ``move_rho``: the pool ρ from which a pool with requests queued takes a GPU from a quieter
     pool. ``move_load_seconds``: how long a moved GPU serves nothing (drain, model load, first
-    health check).
+    health check). ``scale_in_windows``: the windows whose busiest the GPUs left after a
+    scale-in must serve under ``target_rho`` (Kubernetes' autoscaler looks back 5 minutes
+    before it scales down, for the same reason; 8 windows of 30 s fit in an exporter's
+    default 300 s of history).
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class Recommender:
         ttl_seconds: float = 120.0,
         move_rho: float = 0.8,
         move_load_seconds: float = 30.0,
+        scale_in_windows: int = 8,
     ) -> None:
         self.capacity = capacity
         self.persistence_windows = persistence_windows
@@ -132,6 +138,7 @@ class Recommender:
         self.ttl_seconds = ttl_seconds
         self.move_rho = move_rho
         self.move_load_seconds = move_load_seconds
+        self.scale_in_windows = scale_in_windows
 
     def recommend(
         self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
@@ -146,6 +153,8 @@ class Recommender:
             raise ValueError(f"move_rho must be above 0: {self.move_rho}")
         if self.move_load_seconds < 0:
             raise ValueError(f"move_load_seconds must not be negative: {self.move_load_seconds}")
+        if self.scale_in_windows < 1:
+            raise ValueError(f"scale_in_windows must be 1 or more: {self.scale_in_windows}")
         model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
         held = self._held(diagnosis.verdicts)
         fleet: dict[tuple[str, str], FleetVerdict] = {}
@@ -170,7 +179,15 @@ class Recommender:
         }
         for (host, pool), members in sorted(pools.items()):
             context = _Pool(
-                self, model, host, pool, members, fleet.get((host, pool)), now_seconds, workers
+                self,
+                model,
+                host,
+                pool,
+                members,
+                fleet.get((host, pool)),
+                now_seconds,
+                workers,
+                _busiest(table, host, pool, self.scale_in_windows),
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -241,6 +258,23 @@ class Recommender:
         return out
 
 
+def _busiest(table: FeatureTable, host: str, pool: str, windows: int) -> float | None:
+    """The pool's offered load, per second, in its busiest of the host's latest ``windows``
+    windows (a GPU whose load a window does not give counts none in it); None when the table
+    holds fewer windows of the host."""
+    by_window: dict[float, float] = {}
+    for frame in table.frames:
+        if frame.host != host:
+            continue
+        by_window.setdefault(frame.t_start, 0.0)
+        if pool_of(frame) == pool:
+            by_window[frame.t_start] += offered_rate(frame) or 0.0
+    recent = sorted(by_window.items())[-windows:]
+    if len(recent) < windows:
+        return None
+    return max(rate for _, rate in recent)
+
+
 def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
     """The host's pools whose GPUs, over its latest ``windows`` windows, were not the same in
     each: a GPU joined, left, or was between pools (a window with no frame of it)."""
@@ -287,9 +321,12 @@ class _Pool:
         fleet: FleetVerdict | None,
         now_seconds: float,
         workers: Mapping[tuple[str, int], tuple[str, ...]],
+        busiest_per_second: float | None,
     ) -> None:
         self.r = recommender
         self.workers = workers
+        # the pool's offered load in its busiest of the latest scale_in_windows windows
+        self.busiest_per_second = busiest_per_second
         self.model = model
         self.host, self.pool = host, pool
         # every held verdict, the freshest too (what limits a GPU's share); of those, what a
@@ -585,6 +622,14 @@ class _Pool:
         after = self.model.predict_rho(self.host, self.pool, shares)
         if after is None or max(after.values()) >= self.r.target_rho:
             return None
+        # the GPUs left must serve the recent peak too: a lull between bursts is no surplus
+        busiest = self.busiest_per_second
+        if busiest is None:
+            return None  # too few windows yet to know the pool's recent peak
+        peak = self.model.predict_rho(self.host, self.pool, shares, offered_per_second=busiest)
+        if peak is None or max(peak.values()) >= self.r.target_rho:
+            return None
+        windows = self.r.scale_in_windows
         return self._make(
             "remove_worker",
             f"gpu:{smallest.gpu}",
@@ -593,7 +638,9 @@ class _Pool:
                 "workers": list(self.workers.get((self.host, smallest.gpu), ())),
             },
             f"every GPU of the pool is starved for want of demand: GPU {smallest.gpu}'s "
-            f"worker can go and the others stay under ρ {self.r.target_rho:.2f}",
+            f"worker can go and the others stay under ρ {self.r.target_rho:.2f}, at the "
+            f"busiest of the last {windows} windows too ({busiest:.2f} requests/s: ρ up to "
+            f"{max(peak.values()):.2f})",
             idle,
             after,
             receivers=shares,

@@ -104,11 +104,14 @@ def test_a_reweighting_rests_on_one_window_other_actions_on_two(
     assert _recommend(default_target, 30, Recommender(reweight_windows=2)) == ()
     assert _actions(_recommend(default_target, 60, Recommender(reweight_windows=2))) == reweight
     assert _recommend(default_target, 60, Recommender(reweight_windows=3)) == ()
-    # taking a worker away waits for the verdicts to persist
+    # taking a worker away waits for the verdicts to persist (and, by default, for 8 windows
+    # of demand to judge its peak on: here 2)
     idle = _lab("overprovisioned-fleet", 60, tmp_path)
-    assert _recommend(idle, 30) == ()
-    assert _actions(_recommend(idle, 60)) == [("remove_worker", "gpu:3")]
-    assert _recommend(idle, 60, Recommender(persistence_windows=3)) == ()
+    assert _recommend(idle, 30, Recommender(scale_in_windows=1)) == ()
+    assert _actions(_recommend(idle, 60, Recommender(scale_in_windows=2))) == [
+        ("remove_worker", "gpu:3")
+    ]
+    assert _recommend(idle, 60, Recommender(persistence_windows=3, scale_in_windows=2)) == ()
 
 
 def test_a_shortage_is_scaled_out_not_reweighted(tmp_path: Path) -> None:
@@ -287,6 +290,8 @@ def test_bad_settings_are_named() -> None:
         Recommender(persistence_windows=0).recommend(diagnosis, table, 30.0)
     with pytest.raises(ValueError, match="target_rho"):
         Recommender(target_rho=1.5).recommend(diagnosis, table, 30.0)
+    with pytest.raises(ValueError, match="scale_in_windows"):
+        Recommender(scale_in_windows=0).recommend(diagnosis, table, 30.0)
 
 
 def test_peers_the_routing_starves_reweight_a_gpu_not_yet_judged_overloaded() -> None:
@@ -391,7 +396,9 @@ def test_a_quiet_pool_a_busy_one_takes_a_gpu_from_is_not_also_scaled_in() -> Non
 
     assert of_qwen(_by_labels(_two_pools(), LABELS)) == [("move_worker", "gpu:2")]
     idle = LABELS | {0: "balanced/none", 1: "balanced/none"}
-    assert ("remove_worker", "gpu:3") in of_qwen(_by_labels(_two_pools(busy=False), idle))
+    # (a scale-in judges the busiest of the last 8 windows: fewer, and it waits)
+    assert ("remove_worker", "gpu:3") in of_qwen(_by_labels(_two_pools(8, busy=False), idle))
+    assert of_qwen(_by_labels(_two_pools(7, busy=False), idle)) == []
 
 
 def test_no_move_leaves_the_quiet_pool_busier_than_the_busy_one_was_or_without_a_gpu() -> None:
@@ -445,3 +452,63 @@ def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None
     for windows in (1, 2):
         assert not [r for r in _by_labels(joined(windows), down) if r.parameters["pool"] == "qwen"]
     assert ("drain", "gpu:4") in _actions(_by_labels(joined(3), down))
+
+
+def _wave(tmp_path: Path, seconds: float) -> list[Sample]:
+    """Four RTX 4090s under demand that peaks at 0 s (about 38 requests/s in the first
+    windows), ebbs to nothing at 240 s and peaks again at 480 s."""
+    text = """
+name: wave
+description: "demand that ebbs and comes back"
+duration_seconds: 480
+seed: 3
+hardware:
+  gpus:
+    - {card: RTX 4090, count: 4}
+models:
+  llama-3.1-8b:
+    params_billions: 8.03
+    kv_bytes_per_token: 131072
+workers:
+  - gpu: all
+    model: llama-3.1-8b
+    max_batch_size: 16
+    max_queue_delay_ms: 10
+router:
+  policy: least_connections
+traffic:
+  - name: chat
+    class: interactive
+    arrivals: {kind: diurnal, mean_rate: 20, amplitude: 1.0, period_seconds: 480}
+    prompt_tokens: {kind: fixed, value: 256}
+    output_tokens: {kind: fixed, value: 32}
+"""
+    path = tmp_path / "wave.yaml"
+    path.write_text(text)
+    samples: list[Sample] = []
+    lab_run.run(
+        scenario.load(str(path)), "fast", seconds, 1, tmp_path / "run", on_sample=samples.append
+    )
+    return samples
+
+
+def test_a_lull_between_peaks_is_not_scaled_in(tmp_path: Path) -> None:
+    samples = _wave(tmp_path, 330)
+    # at 300 s every GPU has been starved for want of demand for two windows; three GPUs
+    # would serve the last two windows' load, not the 32 requests/s of 60-90 s
+    lull = _recommend(samples, 300, Recommender(scale_in_windows=2))
+    assert [r.action for r in lull] == ["remove_worker"]
+    assert "busiest of the last 2 windows" in lull[0].reason
+    assert _recommend(samples, 300) == ()
+    # and the demand comes back: 30 s later the pool serves twice what it did in the lull
+    kept = [s for s in samples if s.timestamp_seconds - ORIGIN_SECONDS <= 330]
+    frames = frames_from_samples(
+        kept, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    offered: dict[float, float] = {}
+    for frame in frames:
+        offered[frame.t_start] = offered.get(frame.t_start, 0.0) + (
+            frame.completions_per_second or 0.0
+        )
+    rates = [offered[t] for t in sorted(offered)]
+    assert rates[-1] > 2 * max(rates[-3:-1])
