@@ -262,17 +262,24 @@ def _busiest(table: FeatureTable, host: str, pool: str, windows: int) -> float |
     """The pool's offered load, per second, in its busiest of the host's latest ``windows``
     windows (a GPU whose load a window does not give counts none in it); None when the table
     holds fewer windows of the host."""
-    by_window: dict[float, float] = {}
-    for frame in table.frames:
-        if frame.host != host:
-            continue
-        by_window.setdefault(frame.t_start, 0.0)
-        if pool_of(frame) == pool:
-            by_window[frame.t_start] += offered_rate(frame) or 0.0
-    recent = sorted(by_window.items())[-windows:]
+    recent = sorted({f.t_start for f in table.frames if f.host == host})[-windows:]
     if len(recent) < windows:
         return None
-    return max(rate for _, rate in recent)
+    rates = _offered_by_window(table, host, pool)
+    return max(rates.get(t, 0.0) for t in recent)
+
+
+def _offered_by_window(table: FeatureTable, host: str, pool: str) -> dict[float, float]:
+    """The pool's offered load per second in each window (by its start) in which one of its
+    GPUs gives one, summed over those GPUs."""
+    by_window: dict[float, float] = {}
+    for frame in table.frames:
+        if frame.host != host or pool_of(frame) != pool:
+            continue
+        rate = offered_rate(frame)
+        if rate is not None:
+            by_window[frame.t_start] = by_window.get(frame.t_start, 0.0) + rate
+    return by_window
 
 
 def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
@@ -732,14 +739,7 @@ class _Demand:
 
     @classmethod
     def of(cls, table: FeatureTable, pool: _Pool, windows: int = 4) -> _Demand:
-        by_window: dict[float, float] = {}
-        for frame in table.frames:
-            if frame.host != pool.host or pool_of(frame) != pool.pool:
-                continue
-            rate = offered_rate(frame)
-            if rate is not None:
-                by_window[frame.t_start] = by_window.get(frame.t_start, 0.0) + rate
-        recent = sorted(by_window.items())[-windows:]
+        recent = sorted(_offered_by_window(table, pool.host, pool.pool).items())[-windows:]
         if not recent:
             return cls(None, 0.0)
         slope = 0.0
