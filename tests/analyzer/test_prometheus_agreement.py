@@ -59,8 +59,8 @@ WINDOW = 10.0
 INTERVAL = 1.0  # the exporter samples and Prometheus scrapes every second
 SNAPSHOT_AFTER_SAMPLES = 85  # what the exporter holds at least when its history is taken
 HISTORY = 200  # samples asked for: every one since the start (the exporter keeps 300 s)
-# ... and windows in a row it covers whole on every GPU (10 samples of 10): the comparison
-# needs 5 per GPU, and a window Prometheus missed a scrape of drops out of it
+# ... and the windows it and Prometheus cover whole on every GPU (10 samples of 10) that the
+# run waits for: the comparison needs 5 per GPU
 WHOLE_WINDOWS = 6
 # the most the lab runs: the exporter skips the ticks it is late for, so on a busy machine its
 # windows fill later than 10 s each; the run is stopped once they are taken and scraped
@@ -285,13 +285,19 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             recording = exporter_recording(url, HISTORY, timeout=30)
             last = recording.samples[-1].timestamp_seconds
             frames = list(complete_windows(recording.frames(WINDOW), last))
-            after_whole = Counter(uuid for uuid, _ in _whole_after_whole(_by_window(frames)))
-            if len(after_whole) == 4 and min(after_whole.values()) >= WHOLE_WINDOWS:
+            snapshots = _by_window(frames)
+            # ... and Prometheus scraped every second of them: on a busy machine a scrape
+            # times out now and then, and a window short of one has too few samples for
+            # increase() (which extrapolates at most half a scrape interval past its edges)
+            source = open_source(prometheus.url)
+            scraped = _by_window(source.frames(frames[0].t_start, last, WINDOW))
+            both = Counter(uuid for uuid, _ in _comparable(snapshots, scraped))
+            if len(both) == 4 and min(both.values()) >= WHOLE_WINDOWS:
                 return recording
             time.sleep(2)  # a window fills in 10 s: no need to ask every 0.2 s
             return None
 
-        recording = wait_until(whole_windows, DURATION, "whole windows on every GPU")
+        recording = wait_until(whole_windows, DURATION, "whole windows on every GPU, both ways")
         exporter_source = open_source(url)
         exporter_frames = exporter_source.frames(None, None, WINDOW)
         last = recording.samples[-1].timestamp_seconds
@@ -384,6 +390,20 @@ def _whole_after_whole(
     return {(uuid, k) for uuid, k in whole if (uuid, k - 1) in whole}
 
 
+def _comparable(
+    snapshots: dict[tuple[str, int], GpuFrame], scraped: dict[tuple[str, int], GpuFrame]
+) -> list[tuple[str, int]]:
+    """The windows compared: whole in the snapshots with the one before them (the history
+    starts inside its first window; Prometheus' lag reaches back into the one before), and
+    holding every scrape in Prometheus (a missed scrape is a gap in its counters, not a
+    difference between the two views)."""
+    return sorted(
+        key
+        for key in _whole_after_whole(snapshots)
+        if key in scraped and scraped[key].sample_count >= scraped[key].expected_sample_count
+    )
+
+
 def _neighbours(table: dict[tuple[str, int], T], uuid: str, k: int) -> list[T]:
     return [table[(uuid, j)] for j in (k - 1, k, k + 1) if (uuid, j) in table]
 
@@ -436,9 +456,7 @@ def assert_agreement(
     snapshots, scraped = _by_window(snapshot_frames), _by_window(prometheus_frames)
     assert {u for u, _ in scraped} == {u for u, _ in snapshots}, "the same GPUs"
     assert len({u for u, _ in scraped}) == 4
-    # compared: the windows the snapshots cover whole, with the one before them (the history
-    # starts inside its first window; Prometheus' lag reaches back into the one before)
-    compared = sorted(key for key in _whole_after_whole(snapshots) if key in scraped)
+    compared = _comparable(snapshots, scraped)
     assert len(compared) >= 4 * 5, f"only {len(compared)} GPU windows seen whole both ways"
 
     mismatches: list[str] = []
