@@ -10,6 +10,8 @@ FUZZ_INPUTS ?= 100000
 # repetitions of `make test-repeat`, and its pytest-xdist workers (1: one test at a time)
 N ?= 5
 REPEAT_JOBS ?= 1
+# where `make test-repeat` writes each failure's traceback as it happens
+REPEAT_FAILURES ?= test-repeat-failures.txt
 # pytest-xdist workers of `make test` (the CI machine has 2 cores)
 TEST_JOBS ?= 2
 # `make eval` and `make model`: variants per scenario family
@@ -57,7 +59,8 @@ test: venv system-deps fakenvml lint
 
 # the tests that run on real clocks, N rounds of all of them: counts how often each passes
 test-repeat: venv system-deps fakenvml
-	$(VENV)/bin/pytest -q -n $(REPEAT_JOBS) -m "live or haproxy or timing" --count $(N) --repeat-scope session
+	rm -f $(REPEAT_FAILURES)
+	GPUBALANCE_FAILURE_LOG=$(abspath $(REPEAT_FAILURES)) $(VENV)/bin/pytest -q -n $(REPEAT_JOBS) -m "live or haproxy or timing" --count $(N) --repeat-scope session
 
 demo: venv system-deps fakenvml
 	$(PY) -m gpubalance lab demo

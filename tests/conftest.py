@@ -77,3 +77,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         on_the_clock = item.get_closest_marker("live") or item.get_closest_marker("haproxy")
         group = "real-clock" if on_the_clock else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With GPUBALANCE_FAILURE_LOG set (`make test-repeat` sets it), each failure's traceback is
+    appended to that file as it happens: a long repeat's summary comes only at its end, and a
+    run stopped early would otherwise lose them. Under pytest-xdist the controller process
+    receives every worker's reports and writes the file alone (a worker, which has the hook
+    too, leaves it)."""
+    path = os.environ.get("GPUBALANCE_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+            log.write(f"{report.longreprtext}\n")
+            for name, text in report.sections:
+                log.write(f"--- {name}\n{text[-4000:]}\n")
+            log.write("\n")
