@@ -1,13 +1,14 @@
 """The audit log: one JSON line per decision, appended and flushed as it is taken.
 
 Each line holds `at_seconds`, `decision` (applied, dry_run, failed, rejected, waiting, met,
-breaker_tripped, rearmed, paused, resumed, verified, undone; for a worker's move also approved,
-step, and its end: moved, undone, failed, refused), `recommendation`, `target`, `action`,
-`reason`, `before` and `after`; a move's lines name it (`move`) and a step its `phase` (move or
-undo). It is also
-the controller's memory of what it did, which HAProxy cannot show: at start the changes applied
-within the last hour (for the rate limit, the freezes and the breaker) and whether the breaker
-was left open are read back from it. Each line is also an event of the trace span it was
+breaker_tripped, rearmed, paused, resumed, verified, undone, returned; for a worker's move also
+approved, step, and its end: moved, undone, failed, refused), `recommendation`, `target`,
+`action`, `reason`, `before` and `after`; a move's lines name it (`move`) and a step its `phase`
+(move or undo). It is also the controller's memory of what it did, which HAProxy cannot show:
+at start the changes applied within the last hour (for the rate limit, the freezes and the
+breaker), whether the breaker was left open, and which servers it took out of rotation itself
+(less those a `returned` line names: seen ready again, readied by someone else) are read back
+from it. Each line is also an event of the trace span it was
 decided in (controller/tracing.py).
 
 The file is read once, at the first question asked of it; the lines recorded after that are
@@ -17,8 +18,8 @@ it passes `max_bytes` it becomes `PATH.1` (the older ones `PATH.2` ... `PATH.<ke
 oldest dropped), and a fresh file is begun. A restarted controller reads the rotated files
 too, oldest first. What the controller keeps in memory across a rotation is what its questions
 need: the lines of the last `memory_seconds` (a day; the rate limit, the freezes and a move in
-flight look back an hour at most) and the breaker's last word (tripped or re-armed), however
-old.
+flight look back an hour at most), the breaker's last word (tripped or re-armed) and its own
+last state change of each server, however old.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ MAX_BYTES = 64 * 1024 * 1024  # a file this size is rotated
 KEEP = 5  # rotated files kept beside the current one
 MEMORY_SECONDS = 86400.0  # the lines a controller keeps in memory across a rotation
 _BREAKER = ("breaker_tripped", "rearmed")
+# lines that change a server's admin state: its own changes, their undoing, and a server it had
+# taken out seen ready again
+_STATE_DECISIONS = ("applied", "undone", "returned")
+_STATES = ("drain", "maint", "ready")
 
 
 class AuditLog:
@@ -107,12 +112,17 @@ class AuditLog:
         if self._entries:
             newest = max((e["at_seconds"] for e in self._entries if _timed(e)), default=0.0)
             breaker = [e for e in self._entries if e.get("decision") in _BREAKER][-1:]
-            kept = [
+            states: dict[str, dict[str, Any]] = {}  # each server's last state change
+            for e in self._entries:
+                if (state := _state_of(e)) is not None:
+                    states[state[0]] = e
+            last_words = {id(e) for e in [*breaker, *states.values()]}
+            self._entries = [
                 e
                 for e in self._entries
-                if _timed(e) and e["at_seconds"] > newest - self.memory_seconds
+                if id(e) in last_words
+                or (_timed(e) and e["at_seconds"] > newest - self.memory_seconds)
             ]
-            self._entries = [b for b in breaker if b not in kept] + kept
 
     def entries(self) -> list[dict[str, Any]]:
         """Every readable line, the rotated files' first; a torn line (a crash mid-write) is
@@ -139,6 +149,15 @@ class AuditLog:
             default=0.0,
         )
 
+    def taken_out(self) -> frozenset[str]:
+        """The servers (``backend/server``) whose last state change by this controller took
+        them out of rotation (a drain or a maint) and that no one was seen to ready since."""
+        last: dict[str, str] = {}
+        for e in self.entries():
+            if (state := _state_of(e)) is not None:
+                last[state[0]] = state[1]
+        return frozenset(key for key, state in last.items() if state != "ready")
+
     def breaker_open(self) -> bool:
         """The breaker stays open across a restart until a person re-arms it."""
         last = [e["decision"] for e in self.entries() if e.get("decision") in _BREAKER]
@@ -157,6 +176,14 @@ def _read(path: Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(entry, dict):
                 yield entry
+
+
+def _state_of(entry: dict[str, Any]) -> tuple[str, str] | None:
+    """(server, state) for a line that changed a server's admin state, else None."""
+    target, action = entry.get("target"), entry.get("action")
+    if entry.get("decision") in _STATE_DECISIONS and action in _STATES and isinstance(target, str):
+        return target, action
+    return None
 
 
 def _timed(entry: dict[str, Any]) -> bool:

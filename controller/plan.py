@@ -19,6 +19,12 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
   (failed after `Settings.drain_timeout_seconds`);
 - `add_worker`: the same targets, back to `ready`.
 
+A weight above 0 for a server this controller took out of rotation itself (`taken_out`: its
+own drain or maint was its last word on the server, as its audit log shows) readies it too:
+the analyzer gives a removed GPU a share again when its pool needs it back, and a weight alone
+routes nothing to a server in `maint`. A server someone else took out stays out; its weight is
+set, for when they ready it.
+
 `move_worker` goes to the mover (controller/mover.py) where a worker supervisor is configured;
 `plan_moves` checks it first: its `to` is a backend, or the analyzer's pool whose `to_workers`
 are servers of one backend; it waits while its GPU is frozen after another recommendation's
@@ -81,6 +87,7 @@ def plan(
     recommendations: Sequence[Recommendation],
     history: Sequence[Applied],
     settings: Settings,
+    taken_out: frozenset[str] = frozenset(),
 ) -> Plan:
     now = observed.at_seconds
     refusals: list[Refusal] = []
@@ -95,7 +102,7 @@ def plan(
             if isinstance(parsed, Refusal):
                 refusal = parsed
             else:
-                wants[rec.id] = parsed
+                wants[rec.id] = _readied(parsed, taken_out)
                 by_id[rec.id] = rec
         if refusal is not None:
             refusals.append(refusal)
@@ -219,6 +226,20 @@ def _wants(rec: Recommendation, observed: Observed, step: int) -> list[_Want] | 
         f"{rec.action} is not carried out by this controller (set_weights, drain, "
         "remove_worker, add_worker are)",
     )
+
+
+def _readied(wants: list[_Want], taken_out: frozenset[str]) -> list[_Want]:
+    """``wants`` and a `ready` for each server given a weight above 0 that this controller
+    took out of rotation."""
+    return wants + [
+        _Want(w.server, "admin", "ready")
+        for w in wants
+        if w.attribute == "weight"
+        and isinstance(w.value, int)
+        and w.value > 0
+        and w.server.admin != "ready"
+        and w.server.key in taken_out
+    ]
 
 
 def _servers_named(workers: object, observed: Observed) -> list[ObservedServer] | str:

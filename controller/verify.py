@@ -16,6 +16,13 @@ changes by chance. The figure before is taken as the first change is made and wr
 to the audit log (`verify_before_seconds`, `verify_before_error_seconds`), so a restarted
 controller still verifies a change made before it (`Verifier.resume`), over the passes it
 sees of the freeze after it.
+
+A recommendation that puts a server back in rotation (`ready`, from drain or maint) is kept
+whatever its backend's time in the system did: a server returned adds capacity, and the
+controller returns one it took out when the analyzer sees its pool needs it, that is, when
+demand has risen, so the freeze after is slower than the one before for the demand's sake,
+and an undo would leave the pool short when it needs the server most (seen on a lab day whose
+demand ebbs and comes back). A person's drain or maint the controller never readies.
 """
 
 from __future__ import annotations
@@ -100,6 +107,15 @@ class Watch:
         self.last_at = now
         self.firsts.setdefault((change.key, change.kind), change)
 
+    @property
+    def returned(self) -> list[str]:
+        """The servers it put back in rotation."""
+        return sorted(
+            c.key
+            for c in self.firsts.values()
+            if c.kind == "set_state" and c.value == "ready" and c.before != "ready"
+        )
+
     def undo(self, observed: Observed) -> list[Change]:
         """The changes that put its servers back as they were, from their state now."""
         out = []
@@ -123,10 +139,13 @@ class Verdict:
     @property
     def reason(self) -> str:
         verb = "undone" if self.worse else "kept"
-        return (
+        text = (
             f"{verb}: {self.watch.backend}'s mean time in the system {_text(self.after)} over "
             f"the freeze after it, {_text(self.before)} before it"
         )
+        if self.watch.returned:
+            text += f"; it returned {', '.join(self.watch.returned)} to rotation (more capacity)"
+        return text
 
 
 def _text(t: TimeInSystem) -> str:
@@ -232,5 +251,6 @@ class Verifier:
             after = time_in_system(history, watch.last_at, watch.last_at + self.freeze_seconds)
             if before is None or after is None:
                 continue
-            out.append(Verdict(watch, before, after, worse(before, after, self.worse_ratio)))
+            slower = worse(before, after, self.worse_ratio)
+            out.append(Verdict(watch, before, after, slower and not watch.returned))
         return out

@@ -120,3 +120,27 @@ def test_the_controllers_rotation_flags_take_a_count(
         main([*args, flag, "0"])
     assert exited.value.code == 2
     assert f"{flag}: expected an integer of 1 or more, got '0'" in capsys.readouterr().err
+
+
+def _state(log: AuditLog, at: float, target: str, action: str, decision: str = "applied") -> None:
+    log.record(at, decision, recommendation=f"r{at:g}", target=target, action=action)
+
+
+def test_the_servers_it_took_out_are_read_back_and_kept_across_a_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, max_bytes=3000, keep=100, memory_seconds=3600.0)
+    _state(log, 0.0, "be/s1", "drain")
+    _state(log, 10.0, "be/s1", "maint")  # removed: drain, then maint
+    _state(log, 20.0, "be/s2", "drain")
+    _state(log, 30.0, "be/s2", "ready", "undone")  # its drain undone
+    _state(log, 40.0, "be/s3", "maint")
+    log.record(50.0, "returned", target="be/s3", action="ready", reason="readied by a person")
+    _state(log, 60.0, "be/s4", "maint", "dry_run")  # not done
+    assert log.taken_out() == {"be/s1"}
+    for k in range(60):
+        _applied(log, 86400.0 + 600.0 * k)  # ten hours of re-weightings: rotations on the way
+    assert log.rotated() and log.taken_out() == {"be/s1"}
+    assert AuditLog(path, keep=100).taken_out() == {"be/s1"}  # and after a restart
+    _state(log, 2 * 86400.0, "be/s1", "ready")
+    assert log.taken_out() == frozenset()
+    log.close()

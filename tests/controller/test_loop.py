@@ -7,12 +7,14 @@ sleep; waits on HAProxy (an agent poll, sessions finishing) have bounded deadlin
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from controller_harness import (
+    FAST,
     Analyzer,
     Backends,
     haproxy_over,
@@ -414,5 +416,54 @@ def test_an_unreadable_haproxy_answer_costs_the_pass_not_the_process(tmp_path: P
             stop.set()
             await task
             assert controller.failures >= 3
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_it_removed_comes_back_when_given_a_share_and_a_persons_maint_stays(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        names = ["s0", "s1", "s2", "s3"]
+        settings = replace(FAST, freeze_seconds=0.01)
+        async with Backends(names) as backends, Analyzer() as analyzer:
+            config = backends.config(tmp_path / "run")
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                log = tmp_path / "audit.jsonl"
+                analyzer.recommendations = [
+                    recommendation("r1", "remove_worker", "be/s3"),
+                    recommendation("r2", "remove_worker", "be/s2"),
+                ]
+                first = make_controller(config.socket_path, analyzer.url, http, log, settings)
+                for _ in range(3):  # drain, then maint (no session in flight)
+                    await first.run_once()
+                assert weights(haproxy.api)["s2"] == weights(haproxy.api)["s3"] == (100, "maint")
+                # a person takes s1 out, and readies s2 (the controller sees it on its next
+                # pass) to take it out again later: both are theirs now
+                haproxy.api.command("set server be/s1 state maint")
+                haproxy.api.command("set server be/s2 state ready")
+                await first.run_once()
+                haproxy.api.command("set server be/s2 state maint")
+                # the demand comes back: the analyzer gives every worker a share. A restarted
+                # controller reads from its log which server it took out itself
+                analyzer.recommendations = [
+                    recommendation(
+                        "r3", "set_weights", "be", {"weights": dict.fromkeys(names, 100)}
+                    )
+                ]
+                second = make_controller(config.socket_path, analyzer.url, http, log, settings)
+                assert second.taken_out == {"be/s3"}
+                report = await second.run_once()
+                assert report.applied == ["set server be/s3 state ready (was maint)"]
+                assert {n: a for n, (_, a) in weights(haproxy.api).items()} == {
+                    "s0": "ready",
+                    "s1": "maint",
+                    "s2": "maint",
+                    "s3": "ready",
+                }
+                await second.run_once()
+                assert analyzer.acks_of("r3") == [("applied", "HAProxy shows what it asks for")]
+                returned = [e for e in audit(log) if e["decision"] == "returned"]
+                assert [e["target"] for e in returned] == ["be/s2"]
 
     asyncio.run(scenario())

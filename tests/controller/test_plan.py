@@ -621,3 +621,42 @@ def test_a_move_waits_for_cheaper_changes_on_the_backend_it_leaves() -> None:
     joins = Change("set_weight", "be_chat", "w0", 90, 100, "r", cost_rank=0)
     elsewhere = Change("set_weight", "be_other", "x", 90, 100, "r", cost_rank=0)
     assert plan_moves([move()], observed(*POOLS), [], [joins, elsewhere], Settings())[0]
+
+
+def _even_shares(workers: int) -> list[Recommendation]:
+    shares = [{"gpu": g, "worker": f"w{g}", "weight": 1 / workers} for g in range(workers)]
+    return [rec("r", "set_weights", "pool:llama", {"pool": "llama", "weights": shares})]
+
+
+def test_a_share_for_a_server_it_took_out_itself_readies_it() -> None:
+    # w2 went to maint by this controller's remove_worker; its weight was never changed, so
+    # the analyzer's even shares are met by the weights alone, and without the ready the pool's
+    # third GPU would stay out however busy the pool became
+    state = observed(server("w0"), server("w1"), server("w2", admin="maint"))
+    result = plan(state, _even_shares(3), (), SETTINGS, frozenset({"be/w2"}))
+    assert [(c.kind, c.server, c.value, c.before) for c in result.changes] == [
+        ("set_state", "w2", "ready", "maint")
+    ]
+    assert result.converged == ()
+    assert plan(apply(state, result.changes), _even_shares(3), (), SETTINGS).converged == ("r",)
+
+
+def test_a_share_for_a_server_someone_else_took_out_leaves_it_out() -> None:
+    # the same state, but the maint is a person's (not in the controller's record), or the
+    # server it took out is given no share: nothing readies it
+    state = observed(server("w0"), server("w1"), server("w2", admin="maint"))
+    assert plan(state, _even_shares(3), (), SETTINGS).changes == ()
+    two = [{"gpu": g, "worker": f"w{g}", "weight": 0.5} for g in range(2)]
+    without = [rec("r", "set_weights", "pool:llama", {"pool": "llama", "weights": two})]
+    assert plan(state, without, (), SETTINGS, frozenset({"be/w2"})).changes == ()
+
+
+def test_a_removal_and_a_share_for_the_same_server_are_contradictory() -> None:
+    state = observed(server("w0"), server("w1"), server("w2", admin="maint"))
+    recs = [*_even_shares(3), rec("x", "remove_worker", "be/w2", cost_rank=8)]
+    result = plan(state, recs, (), SETTINGS, frozenset({"be/w2"}))
+    assert result.changes == ()
+    assert {(r.recommendation_id, r.reason) for r in result.refusals} == {
+        ("r", "contradictory"),
+        ("x", "contradictory"),
+    }

@@ -80,6 +80,24 @@ def test_the_figures_before_a_long_ramp_are_kept_until_it_is_judged() -> None:
     assert verdict.before.seconds == pytest.approx(1.0) and not verdict.worse
 
 
+def test_a_server_returned_to_rotation_is_kept_when_demand_made_the_backend_slower() -> None:
+    # the controller readies a server it took out because the demand came back: the freeze
+    # after is slower (the demand's doing), which would undo a re-weighting
+    def judged(change: Change) -> bool:
+        verifier = Verifier(freeze_seconds=20.0, worse_ratio=1.25)
+        # 1 s a request before the change at 20 s, 3 s after it (as in the test above)
+        loads = [(0.0, 2, 0), (10.0, 2, 20), (20.0, 2, 40), (30.0, 6, 60), (40.0, 6, 80)]
+        verifier.history["be"] = deque(Load(*load) for load in loads)
+        verifier.applied(change, 20.0)
+        [verdict] = verifier.due(40.0)
+        assert verdict.after.seconds > 2 * verdict.before.seconds
+        return verdict.worse
+
+    assert not judged(Change("set_state", "be", "s3", "ready", "maint", "r"))
+    assert judged(Change("set_state", "be", "s3", "maint", "drain", "r"))
+    assert judged(Change("set_weight", "be", "s3", 200, 100, "r"))
+
+
 def _at(t: float, in_flight: int, served: int) -> Observed:
     server = ObservedServer("be", "s0", "ready", 100, 100, True, in_flight, requests_total=served)
     return Observed(at_seconds=t, servers={server.key: server})
