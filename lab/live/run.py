@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +64,10 @@ BUILD_DIR = Path("build") / "fakenvml"
 READY_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # HAProxy weights are integers 0..256: the lab's float weights are scaled to this maximum
 MAX_WEIGHT = 100
+
+
+# what the exporter logs once it listens on its scrape port, then on its OTLP port
+_LISTENING = ("listening on http://", "OTLP receiver at http://")
 
 
 class PortTakenError(RuntimeError):
@@ -292,6 +297,33 @@ class LiveLab:
             )
         )
         return path
+
+    async def _exporter_listening(self, library_dir: Path, tries: int = 3) -> Exporter:
+        """The exporter, once it says it listens on both its ports. One that cannot (another
+        process took a port between the lab's choice and its bind: an outgoing connection's,
+        or another test's server on a busy host, seen once in a test-repeat at load 15) starts
+        again on other ports, and the workers, not yet spawned, push OTLP to the new one. One
+        that exits for another reason, or starts slowly, is left to the run as before."""
+        for attempt in range(1, tries + 1):
+            exporter = self._start_exporter(library_dir)
+            ports = (self.exporter_port, self.otlp_port)
+            deadline = time.monotonic() + 60
+            while exporter.process.poll() is None and time.monotonic() < deadline:
+                said = exporter.log_path.read_text(errors="replace")
+                if all(
+                    re.search(rf"{what}127\.0\.0\.1:{port}(?!\d)", said)
+                    for what, port in zip(_LISTENING, ports, strict=True)
+                ):
+                    return exporter
+                await asyncio.sleep(0.05)
+            said = exporter.log_path.read_text(errors="replace")
+            if exporter.process.poll() is None or "cannot listen" not in said or attempt == tries:
+                return exporter
+            log.info("%s; starting the exporter on other ports", said.strip().splitlines()[-1])
+            self.exporter_port, self.otlp_port = free_port(), free_port()
+            otlp = f"http://127.0.0.1:{self.otlp_port}/v1/metrics"
+            self.configs = {n: replace(c, otlp_endpoint=otlp) for n, c in self.configs.items()}
+        raise AssertionError("unreachable: the last try returns")
 
     def _start_exporter(self, library_dir: Path) -> Exporter:
         port = self.exporter_port
@@ -542,7 +574,7 @@ class LiveLab:
                 # before the workers, so the first OTLP pushes find it; it sees the GPUs idle
                 # until the workers are up
                 self._write_state({w.name: _not_started(w.name) for w in self.plan.workers})
-                self.exporter = self._start_exporter(library_dir)
+                self.exporter = await self._exporter_listening(library_dir)
             for name in self.configs:
                 self._spawn(name)
             async with aiohttp.ClientSession() as session:

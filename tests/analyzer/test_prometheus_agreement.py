@@ -257,7 +257,6 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         build_dir=fakenvml_dir,
         on_ready=lambda _: ready.set(),
     )
-    prometheus = prometheus_for(f"127.0.0.1:{lab.exporter_port}")
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -271,6 +270,8 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
     try:
         assert ready.wait(120), "the live lab did not start"
         assert lab.exporter is not None
+        # its port is known once it listens (one another process took is changed at start)
+        prometheus = prometheus_for(f"127.0.0.1:{lab.exporter_port}")
         url = lab.exporter.url
 
         def exporter_samples() -> float | None:

@@ -339,9 +339,11 @@ class LiveSystem:
     def __enter__(self) -> LiveSystem:
         try:
             self._start_fault_host()
-            self._start_prometheus()
             self.thread.start()
             assert self.ready.wait(120), "the live lab did not start"
+            # the exporter's and the workers' ports are known once they listen (the lab
+            # changes one another process took at start)
+            self._start_prometheus()
             self.started = time.time()
             analyzer_log = self._start(
                 "analyzer",

@@ -12,6 +12,7 @@ import socket
 import statistics
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +195,12 @@ def test_serving_signals_at_the_exporter_agree_with_the_lab(fakenvml_dir: Path) 
         assert metrics.has("gpubalance_queue_depth", gpu=str(gpu), source=served["source"])
 
 
-def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
-    # the lab picks each worker's port, then the worker binds it: on a busy host an outgoing
-    # connection can take the port in between (seen once in a CI run); held here by a listener
+def _taken_port_run(
+    fakenvml_dir: Path, take: Callable[[LiveLab, int], None]
+) -> tuple[LiveLab, list[Any], list[Any], int]:
+    """A 4-s live run after ``take(lab, port)`` gives one of the lab's chosen ports to a port a
+    listener holds (another process took it between the lab's choice and the bind); the lab,
+    the requests, the records and the taken port."""
     data = scenario(duration_seconds=4)
     the_plan = plan(Scenario.model_validate(data))
     requests = traffic.generate(the_plan.scenario.traffic, 4.0, the_plan.scenario.seed)
@@ -208,8 +212,22 @@ def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> N
             holder.bind(("127.0.0.1", 0))
             holder.listen()
             taken = holder.getsockname()[1]
-            lab.configs["w1"] = dataclasses.replace(lab.configs["w1"], port=taken)
+            take(lab, taken)
             records, _ = asyncio.run(lab.run())
+    except BaseException:
+        shutil.rmtree(lab.run_dir, ignore_errors=True)
+        raise
+    return lab, requests, records, taken
+
+
+def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
+    # the lab picks each worker's port, then the worker binds it: on a busy host an outgoing
+    # connection can take the port in between (seen once in a CI run)
+    def take(lab: LiveLab, port: int) -> None:
+        lab.configs["w1"] = dataclasses.replace(lab.configs["w1"], port=port)
+
+    lab, requests, records, taken = _taken_port_run(fakenvml_dir, take)
+    try:
         moved = lab.configs["w1"].port
         assert moved != taken
         assert len(records) == len(requests)
@@ -218,5 +236,31 @@ def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> N
         # the exporter, started before the workers, was started again to scrape the new port
         scraped = (lab.run_dir / "exporter.yaml").read_text()
         assert f"127.0.0.1:{moved}/metrics" in scraped and f":{taken}/" not in scraped
+    finally:
+        shutil.rmtree(lab.run_dir, ignore_errors=True)
+
+
+def test_an_exporter_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
+    # as a worker's, the exporter's ports: seen once in a test-repeat at load 15, where the
+    # exporter exited and the workers' OTLP pushes went to another test's server
+    def take(lab: LiveLab, port: int) -> None:
+        lab.otlp_port = port
+        otlp = f"http://127.0.0.1:{port}/v1/metrics"
+        lab.configs = {
+            n: dataclasses.replace(c, otlp_endpoint=otlp) for n, c in lab.configs.items()
+        }
+
+    lab, _, records, taken = _taken_port_run(fakenvml_dir, take)
+    try:
+        assert lab.otlp_port != taken
+        assert {r.outcome for r in records} == {"ok"}
+        pushing = [c for c in lab.configs.values() if c.metrics_format == "otlp"]
+        assert pushing and {c.otlp_endpoint for c in pushing} == {
+            f"http://127.0.0.1:{lab.otlp_port}/v1/metrics"
+        }
+        # the exporter started again, on the new port: its log names no other
+        assert lab.exporter is not None
+        said = lab.exporter.log_path.read_text()
+        assert f"127.0.0.1:{lab.otlp_port}/v1/metrics" in said and f":{taken}" not in said
     finally:
         shutil.rmtree(lab.run_dir, ignore_errors=True)
