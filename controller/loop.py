@@ -98,8 +98,6 @@ class Controller:
         self.mover = mover
         self.tracer = tracer or trace.NoOpTracer()
         self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
-        # servers it took out of rotation itself: a share for one readies it (controller/plan.py)
-        self.taken_out: set[str] = set(audit.taken_out())
         self.breaker_open = audit.breaker_open()
         self.rearmed_at = audit.last_rearm()
         self.paused = False
@@ -227,7 +225,8 @@ class Controller:
         workers = await self.mover.observe() if self.mover is not None else {}
 
         # plan, guard
-        planned = plan(observed, others, self.history, self.settings, frozenset(self.taken_out))
+        # servers it took out of rotation itself, as its log says: a share for one readies it
+        planned = plan(observed, others, self.history, self.settings, self.audit.taken_out())
         moves, waiting_moves = plan_moves(
             moves, observed, self.history, planned.changes, self.settings
         )
@@ -295,10 +294,9 @@ class Controller:
     def _returned(self, observed: Observed, now: float) -> None:
         """Forget the servers it took out that HAProxy shows ready again: someone readied
         them, and a later drain or maint of theirs is theirs to undo."""
-        for key in sorted(self.taken_out):
+        for key in sorted(self.audit.taken_out()):
             server = observed.servers.get(key)
             if server is not None and server.admin == "ready":
-                self.taken_out.discard(key)
                 self.audit.record(
                     now,
                     "returned",
@@ -308,15 +306,6 @@ class Controller:
                     "counted as taken out by it",
                 )
                 log.info("%s was readied outside the controller", key)
-
-    def _changed_state(self, change: Change) -> None:
-        """Keep ``taken_out`` with a state change it made."""
-        if change.kind != "set_state":
-            return
-        if change.value == "ready":
-            self.taken_out.discard(change.key)
-        else:
-            self.taken_out.add(change.key)
 
     def _hold_moving(self, changes: tuple[Change, ...]) -> tuple[tuple[Change, ...], list[Refusal]]:
         """The changes to servers other than the one moving, and a wait for each of the rest."""
@@ -395,7 +384,6 @@ class Controller:
             log.error("%s failed: %s", _describe(change), exc)
             return False
         self.history.append(change.applied(now))
-        self._changed_state(change)
         self.metrics.actions.labels(change.action, "applied").inc()
         # a recommendation's first change carries what it is verified against, for a restart
         before = self.verifier.applied(change, now)
@@ -432,7 +420,6 @@ class Controller:
                 log.error("undo %s failed: %s", _describe(change), exc)
                 continue
             self.history.append(change.applied(now))
-            self._changed_state(change)
             self.metrics.actions.labels(change.action, "undone").inc()
             self.audit.record(
                 now,

@@ -452,7 +452,7 @@ def test_a_worker_it_removed_comes_back_when_given_a_share_and_a_persons_maint_s
                     )
                 ]
                 second = make_controller(config.socket_path, analyzer.url, http, log, settings)
-                assert second.taken_out == {"be/s3"}
+                assert second.audit.taken_out() == {"be/s3"}
                 report = await second.run_once()
                 assert report.applied == ["set server be/s3 state ready (was maint)"]
                 assert {n: a for n, (_, a) in weights(haproxy.api).items()} == {
