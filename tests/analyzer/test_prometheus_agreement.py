@@ -24,6 +24,7 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
@@ -33,7 +34,7 @@ import pytest
 from harness import Metrics
 
 from gpubalance.analyzer.features import COLUMNS, QUEUED_BATCHES, FeatureBuilder, FeatureTable
-from gpubalance.analyzer.frames import GpuFrame
+from gpubalance.analyzer.frames import GpuFrame, window_index
 from gpubalance.analyzer.prometheus import PrometheusSource
 from gpubalance.analyzer.sources import (
     ExporterSource,
@@ -241,6 +242,43 @@ class Seen:
     target: str  # the exporter's address, Prometheus' instance label
 
 
+SeenSamples = dict[int, set[float]]  # by window: the exporter samples its scrapes saw
+
+
+def scraped_samples(prometheus: Prometheus, first: float, last: float) -> SeenSamples:
+    """Which of the exporter's samples Prometheus' scrapes in each window saw: the value of
+    the last sample's timestamp that each scrape stored, by the window its scrape time lies
+    in. A scrape ahead of the exporter's next sample sees the one before again, and the one
+    after then skips a sample (or more, on a busy machine)."""
+    seconds = math.ceil(last - first + 2 * WINDOW)
+    result = prometheus.api(
+        "query",
+        query=f"gpubalance_exporter_last_sample_timestamp_seconds[{seconds}s]",
+        time=f"{last + WINDOW:.3f}",
+    )["result"]
+    seen: SeenSamples = {}
+    for series in result:
+        for scraped_at, value in series["values"]:
+            k = window_index(float(scraped_at), 0.0, WINDOW)
+            seen.setdefault(k, set()).add(round(float(value), 3))
+    return seen
+
+
+def missed(recording: Recording, seen: SeenSamples) -> set[int]:
+    """The windows whose scrapes missed one of the exporter's samples that they all follow:
+    those taken in the window, up to one and a half sampling intervals before its end (a
+    sample is published a moment after its timestamp, and the next scrape may come up to an
+    interval later). A missed sample is no difference between the two views: a queue's peak
+    in it is in no Prometheus window."""
+    windows: set[int] = set()
+    for sample in recording.samples:
+        t = sample.timestamp_seconds
+        k = window_index(t, 0.0, WINDOW)
+        if t <= (k + 1) * WINDOW - 1.5 * INTERVAL and round(t, 3) not in seen.get(k, set()):
+            windows.add(k)
+    return windows
+
+
 def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheus]) -> Seen:
     """The skewed demo server live, scraped by Prometheus; the exporter's history taken once
     it covers six whole windows in a row on every GPU, Prometheus waited for until it has them
@@ -296,7 +334,9 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             # increase() (which extrapolates at most half a scrape interval past its edges)
             source = open_source(prometheus.url)
             scraped = _by_window(source.frames(frames[0].t_start, last, WINDOW))
-            both = Counter(uuid for uuid, _ in _comparable(snapshots, scraped))
+            seen = scraped_samples(prometheus, frames[0].t_start, last)
+            compared = _comparable(snapshots, scraped, missed(recording, seen))
+            both = Counter(uuid for uuid, _ in compared)
             if len(both) == 4 and min(both.values()) >= WHOLE_WINDOWS:
                 return recording
             time.sleep(2)  # a window fills in 10 s: no need to ask every 0.2 s
@@ -396,16 +436,20 @@ def _whole_after_whole(
 
 
 def _comparable(
-    snapshots: dict[tuple[str, int], GpuFrame], scraped: dict[tuple[str, int], GpuFrame]
+    snapshots: dict[tuple[str, int], GpuFrame],
+    scraped: dict[tuple[str, int], GpuFrame],
+    missed: AbstractSet[int],
 ) -> list[tuple[str, int]]:
     """The windows compared: whole in the snapshots with the one before them (the history
     starts inside its first window; Prometheus' lag reaches back into the one before), and
     holding every scrape in Prometheus (a missed scrape is a gap in its counters, not a
-    difference between the two views)."""
+    difference between the two views), whose scrapes saw every sample they follow."""
     return sorted(
         key
         for key in _whole_after_whole(snapshots)
-        if key in scraped and scraped[key].sample_count >= scraped[key].expected_sample_count
+        if key in scraped
+        and scraped[key].sample_count >= scraped[key].expected_sample_count
+        and key[1] not in missed
     )
 
 
@@ -444,7 +488,14 @@ def test_snapshots_and_prometheus_agree_within_one_window(
         )
     )
     assert {f.host for f in prometheus_frames} == {seen.target}  # Prometheus' instance label
-    assert_agreement(snapshot_frames, prometheus_frames, kept)
+    samples_seen = scraped_samples(seen.prometheus, snapshot_frames[0].t_start, last)
+    # the snapshots' windows one sample earlier: what Prometheus' windows hold when each
+    # scrape comes just before the exporter's next sample
+    earlier = dataclasses.replace(recording, origin=recording.origin - INTERVAL)
+    lagging = _by_window(earlier.frames(WINDOW))
+    assert_agreement(
+        snapshot_frames, prometheus_frames, kept, missed(recording, samples_seen), lagging
+    )
     # the exporter the lab ran was recognised as one while it ran; it leaves out the window
     # its history starts inside (the recording here may start inside another)
     assert isinstance(seen.exporter_source, ExporterSource)
@@ -483,19 +534,28 @@ def test_the_start_up_windows_are_no_features_past() -> None:
 
 
 def assert_agreement(
-    snapshot_frames: list[GpuFrame], prometheus_frames: list[GpuFrame], kept: Path
+    snapshot_frames: list[GpuFrame],
+    prometheus_frames: list[GpuFrame],
+    kept: Path,
+    missed: AbstractSet[int] = frozenset(),
+    lagging: dict[tuple[str, int], GpuFrame] | None = None,
 ) -> None:
-    """Frames, features and ranking agree within one window (``kept`` holds both sides)."""
+    """Frames, features and ranking agree within one window (``kept`` holds both sides):
+    except in the windows whose scrapes ``missed`` a sample, each Prometheus frame lies in
+    the band of the snapshots' frames of its window, the windows either side and the
+    ``lagging`` one (its window's samples one sample earlier)."""
     snapshots, scraped = _by_window(snapshot_frames), _by_window(prometheus_frames)
     assert {u for u, _ in scraped} == {u for u, _ in snapshots}, "the same GPUs"
     assert len({u for u, _ in scraped}) == 4
-    compared = _comparable(snapshots, scraped)
+    compared = _comparable(snapshots, scraped, missed)
     assert len(compared) >= 4 * 5, f"only {len(compared)} GPU windows seen whole both ways"
 
     mismatches: list[str] = []
     own_window: dict[str, list[bool]] = {}
     for uuid, k in compared:
         frame, neighbours = scraped[(uuid, k)], _neighbours(snapshots, uuid, k)
+        if lagging and (uuid, k) in lagging:
+            neighbours.append(lagging[(uuid, k)])
         for name, tolerance in FRAME_TOLERANCES.items():
             if name == "queue_depth_slope_per_second":
                 queues = [n.queue_depth_max for n in neighbours]
