@@ -432,6 +432,10 @@ class _Pool:
                 capacity_source={g: c.source for g, c in sorted(self.gpus.items())},
             )
         since = min([h.since_seconds for h in because] or [self.now])
+        # what it rests on was last seen in the newest of their windows (of the pool's, when it
+        # rests on no GPU's verdict)
+        rests_on = because or list(self.known.values())
+        observed = max([h.verdict.t_end for h in rests_on] or [self.now])
         return Recommendation(
             id=_stable_id(action, self.host, self.pool, target),
             action=action,
@@ -445,6 +449,7 @@ class _Pool:
             expires_seconds=self.now + self.r.ttl_seconds,
             expected=expected,
             cost_rank=COST_RANK[action],
+            observed_seconds=observed,
         )
 
     def _idle_while_queued(self, rho: Mapping[int, float]) -> float | None:

@@ -101,7 +101,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     limits = parser.add_argument_group("guardrails")
     limits.add_argument("--interval", type=float, default=d.interval_seconds, help="seconds")
-    limits.add_argument("--max-age", type=float, default=d.max_age_seconds, help="seconds")
+    limits.add_argument(
+        "--max-age",
+        type=float,
+        default=d.max_age_seconds,
+        help="seconds: refuse recommendations resting on older telemetry",
+    )
     limits.add_argument("--max-weight-step", type=int, default=d.max_weight_step)
     limits.add_argument("--dwell-cycles", type=int, default=d.dwell_cycles)
     limits.add_argument("--freeze", type=float, default=d.freeze_seconds, help="seconds")

@@ -192,7 +192,8 @@ class Settings:
     host: str | None = None  # recommendations for another host are not ours (None: any)
     backends: frozenset[str] | None = None  # the pools it manages (None: every backend)
     interval_seconds: float = 10.0
-    max_age_seconds: float = 300.0  # older recommendations are stale, whatever their expiry
+    # a recommendation resting on older telemetry is stale, whatever its expiry
+    max_age_seconds: float = 300.0
     max_weight_step: int = 32  # per cycle and server, so a bad weight cannot land at once
     dwell_cycles: int = 2  # cycles a recommendation must be seen in before it acts
     freeze_seconds: float = 60.0  # per server, after an action from another recommendation

@@ -169,12 +169,16 @@ def _check(rec: Recommendation, now: float, settings: Settings) -> Refusal | Non
             ack="rejected",
             target=rec.target,
         )
-    age = now - rec.created_seconds
+    # stale: the newest telemetry it rests on is old, however long the situation has held
+    # (a scale-in waits for many windows of low demand, and is no less current for it)
+    observed = rec.observed_seconds if rec.observed_seconds is not None else rec.created_seconds
+    age = now - observed
     if age > settings.max_age_seconds:
         return Refusal(
             rec.id,
             "stale",
-            f"made {age:.0f} s ago, over the {settings.max_age_seconds:.0f} s limit",
+            f"rests on telemetry from {age:.0f} s ago, over the {settings.max_age_seconds:.0f} s "
+            "limit",
             ack="rejected",
             target=rec.target,
         )

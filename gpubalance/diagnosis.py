@@ -137,12 +137,17 @@ class Recommendation:
     reason: str
     evidence: tuple[str, ...]
     confidence: float
-    created_seconds: float  # Unix time
+    # Unix time: when the situation it answers began (the first of the windows that agree on
+    # it), which an executor's dwell counts from
+    created_seconds: float
     expires_seconds: float
     expected: ExpectedEffect | None = None
     # cheapest first: re-weight (0) before drain before move before scale
     cost_rank: int = 0
     acks: tuple[Ack, ...] = field(default_factory=tuple)
+    # Unix time: the end of the newest window it rests on, which its staleness counts from
+    # (None from an analyzer before it: its creation time then)
+    observed_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,11 @@ def test_the_same_situation_keeps_its_id(default_target: list[Sample]) -> None:
     assert [r.id for r in earlier] == [r.id for r in later]
     assert earlier[0].created_seconds == later[0].created_seconds < ORIGIN_SECONDS + 180
     assert later[0].expires_seconds == ORIGIN_SECONDS + 210 + Recommender().ttl_seconds
+    # each rests on the newest window it saw: what an executor's staleness counts from
+    assert (earlier[0].observed_seconds, later[0].observed_seconds) == (
+        ORIGIN_SECONDS + 180,
+        ORIGIN_SECONDS + 210,
+    )
 
 
 def test_a_reweighting_rests_on_one_window_other_actions_on_two(

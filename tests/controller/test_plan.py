@@ -52,6 +52,7 @@ def rec(
     *,
     created: float = NOW - 5,
     expires: float = NOW + 600,
+    observed: float | None = None,
     cost_rank: int = 0,
     host: str = "h1",
     expected: ExpectedEffect | None = None,
@@ -69,6 +70,7 @@ def rec(
         expires_seconds=expires,
         expected=expected,
         cost_rank=cost_rank,
+        observed_seconds=observed,
     )
 
 
@@ -109,11 +111,21 @@ def test_converged_recommendations_plan_nothing_and_are_reported_met() -> None:
     assert result.converged == ("r1", "r2")
 
 
+def test_a_situation_that_held_long_on_fresh_telemetry_is_not_stale() -> None:
+    """A scale-in rests on many windows of low demand: it began long ago, and its newest
+    window ended a moment ago."""
+    recommendation = rec("r", "drain", "be/s1", created=NOW - 900, observed=NOW - 5)
+    result = plan(observed(server("s1"), server("s2")), [recommendation], (), SETTINGS)
+    assert result.refusals == ()
+    assert [(c.key, c.kind) for c in result.changes] == [("be/s1", "set_state")]
+
+
 @pytest.mark.parametrize(
     ("recommendation", "reason"),
     [
         (rec("r", "drain", "be/s1", expires=NOW - 1), "expired"),
         (rec("r", "drain", "be/s1", created=NOW - 301), "stale"),
+        (rec("r", "drain", "be/s1", created=NOW - 900, observed=NOW - 301), "stale"),
         (rec("r", "drain", "be/nope"), "unknown_target"),
         (rec("r", "drain", "s1"), "unknown_target"),
         (rec("r", "set_weights", "other", {"weights": {"s1": 1}}), "unknown_target"),
