@@ -478,25 +478,26 @@ def test_snapshots_and_prometheus_agree_within_one_window(
     assert isinstance(source, PrometheusSource)
     prometheus_frames = source.frames(snapshot_frames[0].t_start, last, WINDOW)
     assert source.last_warnings == ()
-    kept = tmp_path / "frames.json"  # both sides, for a look when a figure differs
+    assert {f.host for f in prometheus_frames} == {seen.target}  # Prometheus' instance label
+    samples_seen = scraped_samples(seen.prometheus, snapshot_frames[0].t_start, last)
+    gaps = missed(recording, samples_seen)
+    # the snapshots' windows one sample earlier: what Prometheus' windows hold when each
+    # scrape comes just before the exporter's next sample
+    earlier = dataclasses.replace(recording, origin=recording.origin - INTERVAL)
+    lagging = earlier.frames(WINDOW)
+    kept = tmp_path / "frames.json"  # every side, for a look when a figure differs
     kept.write_text(
         json.dumps(
             {
                 "snapshots": [dataclasses.asdict(f) for f in snapshot_frames],
                 "prometheus": [dataclasses.asdict(f) for f in prometheus_frames],
+                "lagging": [dataclasses.asdict(f) for f in lagging],
+                "missed": sorted(gaps),
             },
             default=sorted,
         )
     )
-    assert {f.host for f in prometheus_frames} == {seen.target}  # Prometheus' instance label
-    samples_seen = scraped_samples(seen.prometheus, snapshot_frames[0].t_start, last)
-    # the snapshots' windows one sample earlier: what Prometheus' windows hold when each
-    # scrape comes just before the exporter's next sample
-    earlier = dataclasses.replace(recording, origin=recording.origin - INTERVAL)
-    lagging = _by_window(earlier.frames(WINDOW))
-    assert_agreement(
-        snapshot_frames, prometheus_frames, kept, missed(recording, samples_seen), lagging
-    )
+    assert_agreement(snapshot_frames, prometheus_frames, kept, gaps, lagging)
     # the exporter the lab ran was recognised as one while it ran; it leaves out the window
     # its history starts inside (the recording here may start inside another)
     assert isinstance(seen.exporter_source, ExporterSource)
@@ -556,24 +557,25 @@ def assert_agreement(
     prometheus_frames: list[GpuFrame],
     kept: Path,
     missed: AbstractSet[int] = frozenset(),
-    lagging: dict[tuple[str, int], GpuFrame] | None = None,
+    lagging: list[GpuFrame] | None = None,
 ) -> None:
     """Frames, features and ranking agree within one window (``kept`` holds both sides):
     except in the windows whose scrapes ``missed`` a sample, each Prometheus frame lies in
     the band of the snapshots' frames of its window, the windows either side and the
-    ``lagging`` one (its window's samples one sample earlier)."""
+    ``lagging`` one (its window's samples one sample earlier); the features likewise."""
     snapshots, scraped = _by_window(snapshot_frames), _by_window(prometheus_frames)
     assert {u for u, _ in scraped} == {u for u, _ in snapshots}, "the same GPUs"
     assert len({u for u, _ in scraped}) == 4
     compared = _comparable(snapshots, scraped, missed)
+    lagged = _by_window(lagging or [])
     assert len(compared) >= 4 * 5, f"only {len(compared)} GPU windows seen whole both ways"
 
     mismatches: list[str] = []
     own_window: dict[str, list[bool]] = {}
     for uuid, k in compared:
         frame, neighbours = scraped[(uuid, k)], _neighbours(snapshots, uuid, k)
-        if lagging and (uuid, k) in lagging:
-            neighbours.append(lagging[(uuid, k)])
+        if (uuid, k) in lagged:
+            neighbours.append(lagged[(uuid, k)])
         for name, tolerance in FRAME_TOLERANCES.items():
             if name == "queue_depth_slope_per_second":
                 queues = [frame.queue_depth_max, *(n.queue_depth_max for n in neighbours)]
@@ -607,10 +609,15 @@ def assert_agreement(
     theirs = FeatureBuilder().transform(f for f in snapshot_frames if f.t_start >= first)
     our_rows, our_pools = _rows(ours)
     their_rows, their_pools = _rows(theirs)
+    lagged_rows, _ = _rows(
+        FeatureBuilder().transform(f for f in lagging or [] if f.t_start >= first - INTERVAL)
+    )
     later = [(uuid, k) for uuid, k in compared if k * WINDOW >= first]
     assert len(later) >= 4 * 4, f"only {len(later)} GPU windows after the start-up, both ways"
     for uuid, k in later:
         row, neighbours = our_rows[(uuid, k)], _neighbours(their_rows, uuid, k)
+        if (uuid, k) in lagged_rows:
+            neighbours.append(lagged_rows[(uuid, k)])
         pool = scraped[(uuid, k)].queue_names
         for name in COLUMNS:
             if name in SNAPSHOT_ONLY:
