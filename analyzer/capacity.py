@@ -1,7 +1,8 @@
 """Capacity: what each GPU can serve, what it is offered, and ρ, from telemetry alone.
 
-A GPU's **capacity** is its service rate in completions per second when work never runs out:
-measured in the windows in which its queue holds work all along and it is busy (``queue
+A GPU's **capacity** is its service rate in completions per second when work never runs out,
+in the pool it serves now (a GPU moved from another pool ran another model there): measured
+in the windows in which its queue holds work all along and it is busy (``queue
 batches`` ≥ ``saturated_queue_batches``, by default half a batch on average, the features'
 ``QUEUED_BATCHES``; utilization ≥ ``saturated_utilization_ratio``); then it serves without
 pause, and what it completes is what it can, or a little under where its batches run short of
@@ -129,6 +130,22 @@ class CapacityModel:
         pools: dict[tuple[str, str], str] = {}
         for key, indices in rows.items():
             indices.sort(key=lambda i: table.frames[i].t_start)
+            # a GPU keeps its pool while its worker is down (its frames name no queue then)
+            pools[key] = next(
+                (
+                    pool_of(table.frames[i])
+                    for i in reversed(indices)
+                    if table.frames[i].queue_names
+                ),
+                "",
+            )
+            # only what it did in that pool speaks for it: a GPU moved from another pool ran
+            # another model there, at another rate
+            indices = [
+                i
+                for i in indices
+                if not table.frames[i].queue_names or pool_of(table.frames[i]) == pools[key]
+            ]
             live = [i for i in indices if _live(table.frames[i])]
             saturated = [
                 i
@@ -173,15 +190,6 @@ class CapacityModel:
             if at_full_batches:
                 fitted[key] = statistics.median(at_full_batches)
             latest[key] = table.frames[indices[-1]]
-            # a GPU keeps its pool while its worker is down (its frames name no queue then)
-            pools[key] = next(
-                (
-                    pool_of(table.frames[i])
-                    for i in reversed(indices)
-                    if table.frames[i].queue_names
-                ),
-                "",
-            )
             offered[key] = self._offered([table.frames[i] for i in indices])
         # the same card in the same pool: the same model on the same silicon
         by_card: dict[tuple[str, str, str | None], dict[tuple[str, str], float]] = {}

@@ -135,6 +135,17 @@ def test_a_lost_gpu_is_offered_nothing_and_keeps_its_pool() -> None:
     assert gpu.offered_per_second == 0.0 and gpu.pool == "llama"
 
 
+def test_a_gpu_moved_to_another_pool_is_measured_there_only() -> None:
+    """Four windows saturated serving chat at 4.3/s, then moved to code, where it serves 2.3/s:
+    its capacity and its offered load are code's, not a mix of the two models'."""
+    frames = [saturated(0, w, 4.3) for w in range(4)]
+    frames += [saturated(0, w, 2.3, queue_names=("code",)) for w in range(4, 6)]
+    gpu = fit(frames).gpus_[("h", "GPU-0")]
+    assert (gpu.pool, gpu.source, gpu.saturated_windows) == ("code", "saturated", 2)
+    assert gpu.capacity_per_second == pytest.approx(2.3)
+    assert gpu.offered_per_second == pytest.approx(2.3)
+
+
 def test_predicted_rho_follows_the_shares() -> None:
     frames = []
     for w in range(4):
