@@ -622,9 +622,10 @@ class LiveLab:
 
     def halt(self) -> None:
         """Stop a run early, from any thread (the demo's Ctrl-C): requests not yet answered
-        get no record."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._halt.set)
+        get no record. A run that has ended already is left as it is."""
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # it closed just now: nothing to stop
+                self._loop.call_soon_threadsafe(self._halt.set)
 
     def _cookie_for(self) -> Callable[[Request], str | None]:
         if self.plan.scenario.router.policy != "sticky":
