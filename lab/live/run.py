@@ -208,7 +208,9 @@ class LiveLab:
         """Wait for the spawned workers; one whose port another process took between its
         choice and the worker's bind (an outgoing connection's, on a busy host) gets another
         port and starts again: HAProxy is configured only once they all answer, and an
-        exporter already running starts again with the new endpoints to scrape."""
+        exporter already running starts again with the new endpoints to scrape (only for a
+        worker it scrapes: one that pushes OTLP pushes to the same exporter from any port, and
+        a restart would cost its first pushes, which back off while the exporter is away)."""
         moved = False
         for name in self.configs:
             for attempt in range(1, tries + 1):
@@ -221,11 +223,11 @@ class LiveLab:
                     log.info("%s was taken; starting it on another port", exc)
                     self.configs[name] = replace(self.configs[name], port=free_port())
                     self._spawn(name)
-                    moved = True
+                    moved = moved or self.configs[name].metrics_format in SCRAPED_FORMATS
         if moved and self.exporter is not None:
             self.exporter.process.terminate()
             self.exporter.process.wait(timeout=10)
-            self.exporter = self._start_exporter(library_dir)
+            self.exporter = await self._exporter_listening(library_dir)
 
     def _haproxy_config(self) -> haproxy.HaproxyConfig:
         router = self.plan.scenario.router
