@@ -227,7 +227,8 @@ class LiveLab:
         if moved and self.exporter is not None:
             self.exporter.process.terminate()
             self.exporter.process.wait(timeout=10)
-            self.exporter = await self._exporter_listening(library_dir)
+            # on the same ports: the workers running now push OTLP to the one they were given
+            self.exporter = await self._exporter_listening(library_dir, tries=1)
 
     def _haproxy_config(self) -> haproxy.HaproxyConfig:
         router = self.plan.scenario.router

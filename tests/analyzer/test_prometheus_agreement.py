@@ -435,7 +435,7 @@ def _comparable(
     """The windows compared: whole in the snapshots with the one before them (the history
     starts inside its first window; Prometheus' lag reaches back into the one before), and
     holding every scrape in Prometheus (a missed scrape is a gap in its counters, not a
-    difference between the two views), whose scrapes saw every sample they follow."""
+    difference between the two views), holding no exporter sample that no scrape saw."""
     return sorted(
         key
         for key in _whole_after_whole(snapshots)
@@ -512,14 +512,18 @@ def _frame(saved: dict[str, Any]) -> GpuFrame:
     return GpuFrame(**fields)
 
 
+def _replayed(name: str) -> tuple[list[GpuFrame], list[GpuFrame], Path]:
+    """A round's kept frames (``FIXTURES / name``): the snapshots', Prometheus', the path."""
+    path = FIXTURES / name
+    saved = json.loads(gzip.decompress(path.read_bytes()))
+    return [_frame(f) for f in saved["snapshots"]], [_frame(f) for f in saved["prometheus"]], path
+
+
 def test_the_start_up_windows_are_no_features_past() -> None:
     """The frames both ways of the round that failed (kept as the test keeps them): the run's
     second window's mean batch, 1.86 in the snapshots and 1.36 in Prometheus, was each
     source's largest batch, and every later batch fill differed by a third."""
-    path = FIXTURES / "agreement-start-up.json.gz"
-    saved = json.loads(gzip.decompress(path.read_bytes()))
-    snapshots = [_frame(f) for f in saved["snapshots"]]
-    scraped = [_frame(f) for f in saved["prometheus"]]
+    snapshots, scraped, path = _replayed("agreement-start-up.json.gz")
     assert max(f.batch_size_mean or 0 for f in snapshots if f.gpu == 1) == pytest.approx(
         1.86, abs=0.01
     )
@@ -532,10 +536,7 @@ def test_a_slope_may_move_by_one_sample_of_the_largest_queue_either_side_saw() -
     where the snapshots' own window reached 1. Its slope was -1.08 batches per window against
     0.16 and 0.41 either side: more than one sample of the snapshots' largest queue moves it,
     less than one of Prometheus' own."""
-    path = FIXTURES / "agreement-slope-lag.json.gz"
-    saved = json.loads(gzip.decompress(path.read_bytes()))
-    snapshots = [_frame(f) for f in saved["snapshots"]]
-    scraped = [_frame(f) for f in saved["prometheus"]]
+    snapshots, scraped, path = _replayed("agreement-slope-lag.json.gz")
     window = [f for f in scraped if f.gpu == 2 and round(f.t_start / WINDOW) == 179643032]
     assert [(f.queue_depth_max, round(f.queue_depth_slope_per_second, 3)) for f in window] == [
         (2.0, -0.121)
