@@ -15,6 +15,14 @@ busy second (completions over utilization), a lower bound: partial batches serve
 per busy second than full ones, so that GPU's ρ is an upper bound (``measured`` is False).
 Where none exists the capacity is None: the telemetry cannot say.
 
+Half a small batch waiting keeps a GPU busy too, and a batching GPU serves more per second in
+larger batches: one that ran short batches with work waiting (a pool after a quiet spell)
+serves more when more load comes. ``full_batches_per_second`` is the capacity the same way from
+its saturated windows scaled up to the batches its pool can run (its configured limit, else the
+largest its pool ran; no more than its KV cache holds) along the line through its card's batch
+times against their sizes (the features' :func:`full_batch_cost`): what a pool can serve before
+it needs another GPU. ρ and the weights stay at the batches run (the line extrapolates).
+
 The **offered** load of a GPU is what arrived for it: its completions, plus its KV allocation
 failures (work that came and failed), plus the growth of its queue, per second, over the
 latest ``recent_windows`` windows. **ρ** = offered / capacity: the share of the GPU's time the
@@ -34,12 +42,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpubalance.analyzer.features import QUEUED_BATCHES, FeatureTable
+import numpy as np
+
+from gpubalance.analyzer.features import QUEUED_BATCHES, FeatureTable, full_batch_cost
 from gpubalance.analyzer.frames import GpuFrame
 
 CapacitySource = Literal["saturated", "shrunk", "peers", "fitted", "busy_rate", "none"]
 # saturated windows a GPU needs before its capacity counts as measured rather than guessed
 MEASURED_WINDOWS = 3
+# the KV cache share a batch can fill before the server stops adding requests to it
+KV_FULL_RATIO = 0.95
 
 
 def pool_of(frame: GpuFrame) -> str:
@@ -62,6 +74,9 @@ class GpuCapacity:
     offered_per_second: float | None  # completions + failures + queue growth, recent windows
     t_end: float  # the end of its latest window
     queue_depth: float | None = None  # requests waiting at it, mean over its latest window
+    # its capacity at the batches its pool can run (its configured limit, its KV cache's
+    # room), where it ran short of them with work waiting: what more load would get from it
+    full_batches_per_second: float | None = None
 
     @property
     def rho(self) -> float | None:
@@ -126,6 +141,9 @@ class CapacityModel:
         latest: dict[tuple[str, str], GpuFrame] = {}
         offered: dict[tuple[str, str], float | None] = {}
         full_clock: dict[tuple[str, str], list[float]] = {}
+        # the same at the batches the GPU's pool can run
+        own_full: dict[tuple[str, str], list[float]] = {}
+        full_clock_full: dict[tuple[str, str], list[float]] = {}
         throttled: dict[tuple[str, str], bool] = {}
         pools: dict[tuple[str, str], str] = {}
         for key, indices in rows.items():
@@ -141,11 +159,13 @@ class CapacityModel:
             )
             # only what it did in that pool speaks for it: a GPU moved from another pool ran
             # another model there, at another rate
-            indices = [
+            indices[:] = [
                 i
                 for i in indices
                 if not table.frames[i].queue_names or pool_of(table.frames[i]) == pools[key]
             ]
+        lines = _BatchLines(table.frames, rows, pools)
+        for key, indices in rows.items():
             live = [i for i in indices if _live(table.frames[i])]
             saturated = [
                 i
@@ -155,20 +175,19 @@ class CapacityModel:
                 and (table.frames[i].utilization_mean_ratio or 0.0)
                 >= self.saturated_utilization_ratio
             ][-self.history_windows :]
+            # what each served (at the batches it ran), and at the batches its pool can run
+            served = {i: table.frames[i].completions_per_second or 0.0 for i in saturated}
+            at_full = {i: lines.scaled(table.frames[i], served[i]) for i in saturated}
             # its capacity at the clock it runs at now: a throttle lowers it, a lifted one
             # restores it; only its full-clock windows speak for its card
             now_throttled = bool(live) and _throttled(table.frames[live[-1]])
             throttled[key] = now_throttled
-            own[key] = [
-                table.frames[i].completions_per_second or 0.0
-                for i in saturated
-                if _throttled(table.frames[i]) == now_throttled
-            ]
-            full_clock[key] = [
-                table.frames[i].completions_per_second or 0.0
-                for i in saturated
-                if not _throttled(table.frames[i])
-            ]
+            mine = [i for i in saturated if _throttled(table.frames[i]) == now_throttled]
+            full = [i for i in saturated if not _throttled(table.frames[i])]
+            own[key] = [served[i] for i in mine]
+            own_full[key] = [at_full[i] for i in mine]
+            full_clock[key] = [served[i] for i in full]
+            full_clock_full[key] = [at_full[i] for i in full]
             rates = [
                 f.completions_per_second / f.utilization_mean_ratio
                 for f in (table.frames[i] for i in live)
@@ -192,19 +211,24 @@ class CapacityModel:
             latest[key] = table.frames[indices[-1]]
             offered[key] = self._offered([table.frames[i] for i in indices])
         # the same card in the same pool: the same model on the same silicon
-        by_card: dict[tuple[str, str, str | None], dict[tuple[str, str], float]] = {}
-        for key, values in full_clock.items():
-            if values:
-                frame = latest[key]
-                card = (frame.host, pools[key], frame.card)
-                by_card.setdefault(card, {})[key] = statistics.median(values)
+        by_card = _by_card(full_clock, latest, pools)
+        by_card_full = _by_card(full_clock_full, latest, pools)
         self.gpus_: dict[tuple[str, str], GpuCapacity] = {}
         for key, frame in latest.items():
-            mine = own[key]
-            card = by_card.get((frame.host, pools[key], frame.card), {})
+            group = (frame.host, pools[key], frame.card)
             # a throttled card is not its full-clock peers: only its own windows speak for it
-            peers = [] if throttled[key] else [v for other, v in card.items() if other != key]
-            capacity, source = self._capacity(mine, peers, fitted.get(key), busy_rate.get(key))
+            peers, peers_full = (
+                [
+                    v
+                    for other, v in cards.get(group, {}).items()
+                    if other != key and not throttled[key]
+                ]
+                for cards in (by_card, by_card_full)
+            )
+            capacity, source = self._capacity(own[key], peers, fitted.get(key), busy_rate.get(key))
+            at_full, _ = self._capacity(
+                own_full[key], peers_full, fitted.get(key), busy_rate.get(key)
+            )
             self.gpus_[key] = GpuCapacity(
                 host=frame.host,
                 gpu=frame.gpu,
@@ -213,10 +237,11 @@ class CapacityModel:
                 pool=pools[key],
                 capacity_per_second=capacity,
                 source=source,
-                saturated_windows=len(mine),
+                saturated_windows=len(own[key]),
                 offered_per_second=offered[key],
                 t_end=frame.t_end,
                 queue_depth=frame.queue_depth_mean if _live(frame) else None,
+                full_batches_per_second=at_full,
             )
         return self
 
@@ -319,6 +344,74 @@ class CapacityModel:
                 return None
             out[gpu] = total * share / weight / capacity
         return out
+
+
+def _by_card(
+    values: Mapping[tuple[str, str], list[float]],
+    latest: Mapping[tuple[str, str], GpuFrame],
+    pools: Mapping[tuple[str, str], str],
+) -> dict[tuple[str, str, str | None], dict[tuple[str, str], float]]:
+    """Each GPU's median figure, grouped by host, pool and card."""
+    out: dict[tuple[str, str, str | None], dict[tuple[str, str], float]] = {}
+    for key, figures in values.items():
+        if figures:
+            frame = latest[key]
+            out.setdefault((frame.host, pools[key], frame.card), {})[key] = statistics.median(
+                figures
+            )
+    return out
+
+
+class _BatchLines:
+    """Per host, pool and card: the line through its GPUs' batch times against their sizes
+    (the features' :func:`full_batch_cost`), and the largest batch the pool ran."""
+
+    def __init__(
+        self,
+        frames: tuple[GpuFrame, ...],
+        rows: Mapping[tuple[str, str], list[int]],
+        pools: Mapping[tuple[str, str], str],
+    ) -> None:
+        points: dict[tuple[str, str, str | None], list[tuple[float, float]]] = {}
+        self.largest: dict[tuple[str, str], float] = {}
+        for key, indices in rows.items():
+            for i in indices:
+                f = frames[i]
+                if not _live(f) or not f.batch_size_mean or f.batch_size_mean < 1:
+                    continue
+                pool = (f.host, pools[key])
+                self.largest[pool] = max(self.largest.get(pool, 1.0), f.batch_size_mean)
+                if f.completions_per_second and f.utilization_mean_ratio and not _throttled(f):
+                    seconds = f.utilization_mean_ratio * f.batch_size_mean
+                    points.setdefault((*pool, f.card), []).append(
+                        (f.batch_size_mean, seconds / f.completions_per_second)
+                    )
+        self.points = {k: np.array(v, dtype=float) for k, v in points.items()}
+        self.pools = pools
+
+    def scaled(self, frame: GpuFrame, served: float) -> float:
+        """What the GPU would serve of a window's work at the batches its pool can run,
+        having served ``served`` per second at the window's: a batching GPU serves more per
+        second in larger batches, so one that ran short ones (its queue was half a small
+        batch) served under what more load would get from it. The largest batch it can run is
+        its configured limit (else the largest its pool ran), and no more than its KV cache
+        holds (at the window's usage per request); the line through its card's batch times
+        prices both."""
+        size = frame.batch_size_mean
+        pool = (frame.host, self.pools[(frame.host, frame.uuid)])
+        points = self.points.get((*pool, frame.card))
+        if not size or points is None:
+            return served
+        reach = frame.max_batch_size or self.largest.get(pool, size)
+        if frame.kv_cache_usage_ratio:
+            reach = min(reach, size * KV_FULL_RATIO / frame.kv_cache_usage_ratio)
+        if reach <= size:
+            return served
+        with np.errstate(divide="ignore", invalid="ignore"):  # no spread: no line, NaN
+            cost = full_batch_cost(np.stack([points, points]), np.array([size, reach]))
+        if not np.isfinite(cost).all() or cost[1] <= 0:
+            return served
+        return served * max(1.0, float(cost[0] / cost[1]))
 
 
 def drain_seconds(gpus: Mapping[int, GpuCapacity], rho: Mapping[int, float]) -> dict[int, float]:

@@ -440,7 +440,7 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     current[group[by_group], in_group, 0] = np.where(point, size, _NAN)[by_group]
     current[group[by_group], in_group, 1] = c.point_seconds[index][by_group]
     points = np.concatenate([m.batch_points[batch], current], axis=1)
-    cost = _full_batch_cost(points, largest[by_group][group_start])[group]
+    cost = full_batch_cost(points, largest[by_group][group_start])[group]
 
     live = c.live[index]
     utilization = np.where(live, col("utilization_mean_ratio"), _NAN)
@@ -667,7 +667,7 @@ def _in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
     return np.arange(len(picked)) - np.repeat(starts, np.diff(np.r_[starts, len(picked)]))
 
 
-def _full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
+def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
     """GPU seconds per request at full batches, per row of (batch size, batch time) points
     (NaN-padded), from a line T = a*b + c through the batch times T of batch sizes b: prefill
     grows with the batch, a decode step hardly does, so a GPU running small batches back to

@@ -146,6 +146,74 @@ def test_a_gpu_moved_to_another_pool_is_measured_there_only() -> None:
     assert gpu.offered_per_second == pytest.approx(2.3)
 
 
+def short_batches(gpu: int, **figures: object) -> list[GpuFrame]:
+    """Four windows of a GPU running batches of 1.5 to 4.5 with half the largest waiting:
+    busy all along, each batch taking 0.2 s plus 0.1 s per request (1/(0.1 + 0.2/b) per
+    second at batches of b)."""
+    out = []
+    for w, size in enumerate([1.5, 2.5, 3.5, 4.5]):
+        out.append(
+            frame(
+                gpu,
+                w,
+                utilization_mean_ratio=1.0,
+                batch_size_mean=size,
+                queue_depth_mean=3.0,
+                completions_per_second=size / (0.2 + 0.1 * size),
+                **figures,
+            )
+        )
+    return out
+
+
+def test_a_gpu_that_ran_short_batches_with_work_waiting_serves_more_at_full_ones() -> None:
+    """Its capacity is what it served (ρ and weights stay at the batches run); what more
+    load gets from it is priced at its configured limit on the line through its batch
+    times, or at the largest batch its pool ran where no limit is known."""
+    gpu = fit(short_batches(0, max_batch_size=16.0, kv_cache_usage_ratio=0.1)).gpus_[("h", "GPU-0")]
+    served = statistics.median(b / (0.2 + 0.1 * b) for b in [1.5, 2.5, 3.5, 4.5])
+    assert (gpu.source, gpu.saturated_windows) == ("saturated", 4)
+    assert gpu.capacity_per_second == pytest.approx(served)
+    assert gpu.full_batches_per_second == pytest.approx(16 / (0.2 + 0.1 * 16))
+    # no limit known: the largest batch its pool ran
+    gpu = fit(short_batches(0)).gpus_[("h", "GPU-0")]
+    assert gpu.full_batches_per_second == pytest.approx(4.5 / (0.2 + 0.1 * 4.5))
+    # a KV cache 60 % full at those batches holds no more than 1.58 times them
+    gpu = fit(short_batches(0, max_batch_size=16.0, kv_cache_usage_ratio=0.6)).gpus_[("h", "GPU-0")]
+    reach = [b * 0.95 / 0.6 for b in [1.5, 2.5, 3.5, 4.5]]
+    assert gpu.full_batches_per_second == pytest.approx(
+        statistics.median(r / (0.2 + 0.1 * r) for r in reach)
+    )
+    # a full KV cache: the batches run are the largest it can
+    gpu = fit(short_batches(0, max_batch_size=16.0, kv_cache_usage_ratio=0.97)).gpus_[
+        ("h", "GPU-0")
+    ]
+    assert gpu.full_batches_per_second == pytest.approx(served)
+
+
+def test_full_batches_take_the_line_of_the_card_and_the_peers_of_a_gpu_without_a_queue() -> None:
+    frames = short_batches(0, max_batch_size=16.0)
+    # on the same line: batches of 2 in 0.4 s, busy half the time
+    frames += [
+        frame(1, w, max_batch_size=16.0, batch_size_mean=2.0, completions_per_second=2.5)
+        for w in range(4)
+    ]
+    # another card runs another line: the 4090s' says nothing of it
+    frames += [
+        frame(2, w, card="NVIDIA GeForce RTX 3090", max_batch_size=16.0, **figures)
+        for w, figures in enumerate(
+            dict(utilization_mean_ratio=1.0, batch_size_mean=2.0, queue_depth_mean=3.0)
+            for _ in range(4)
+        )
+    ]
+    model = fit(frames)
+    peer = model.gpus_[("h", "GPU-1")]
+    assert peer.source == "peers"
+    assert peer.full_batches_per_second == pytest.approx(16 / 1.8)
+    other = model.gpus_[("h", "GPU-2")]
+    assert other.full_batches_per_second == other.capacity_per_second == pytest.approx(5.0)
+
+
 def test_predicted_rho_follows_the_shares() -> None:
     frames = []
     for w in range(4):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -424,6 +425,34 @@ def test_no_move_without_a_busy_pool_or_when_the_load_outlasts_the_prediction() 
     slow = Recommender(move_load_seconds=120.0, ttl_seconds=120.0)
     assert _moves(slow.recommend(diagnosis, table, frames[-1].t_end)) == []
     assert _moves(Recommender().recommend(diagnosis, table, frames[-1].t_end))
+
+
+def test_no_move_to_a_pool_whose_short_batches_leave_it_room() -> None:
+    """llama's GPUs run batches of 2.5 and 4.5 with half the larger waiting (a pool after a
+    quiet spell: each batch 0.2 s plus 0.1 s per request), served 12.5/s and offered 13.5/s.
+    At the batches run that is ρ 1.08 and qwen's GPU 2 is wanted; but with a configured limit
+    of 16 the same GPUs serve 8.9/s each at full batches, ρ 0.76: more load grows llama's
+    batches before it needs a GPU."""
+
+    def short(limit: float | None) -> list[GpuFrame]:
+        frames = []
+        for f in _two_pools():
+            if f.gpu in (0, 1):
+                size = 2.5 if f.gpu == 0 else 4.5
+                f = dataclasses.replace(
+                    f,
+                    batch_size_mean=size,
+                    queue_depth_mean=3.0,
+                    completions_per_second=size / (0.2 + 0.1 * size),
+                    max_batch_size=limit,
+                )
+            frames.append(f)
+        return frames
+
+    moves = _moves(_by_labels(short(None), LABELS))
+    assert [(m.target, m.parameters["to"]) for m in moves] == [("gpu:2", "llama")]
+    assert _moves(_by_labels(short(4.5), LABELS)) == moves
+    assert _moves(_by_labels(short(16.0), LABELS)) == []
 
 
 def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None:
