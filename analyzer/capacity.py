@@ -218,11 +218,9 @@ class CapacityModel:
             group = (frame.host, pools[key], frame.card)
             # a throttled card is not its full-clock peers: only its own windows speak for it
             peers, peers_full = (
-                [
-                    v
-                    for other, v in cards.get(group, {}).items()
-                    if other != key and not throttled[key]
-                ]
+                []
+                if throttled[key]
+                else [v for other, v in cards.get(group, {}).items() if other != key]
                 for cards in (by_card, by_card_full)
             )
             capacity, source = self._capacity(own[key], peers, fitted.get(key), busy_rate.get(key))

@@ -316,12 +316,13 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
 
         # windows compared both ways per GPU at the last look: what a lab that ended first
         # had reached
-        reached: list[Counter[str]] = [Counter()]
+        reached: Counter[str] = Counter()
 
         def whole_windows() -> Recording | None:
+            nonlocal reached
             assert thread.is_alive(), (
                 f"the lab's {DURATION:g} s ended before the windows: {WHOLE_WINDOWS} per GPU "
-                f"wanted, {dict(reached[0])} compared both ways at the last look"
+                f"wanted, {dict(reached)} compared both ways at the last look"
             )
             recording = exporter_recording(url, HISTORY, timeout=30)
             last = recording.samples[-1].timestamp_seconds
@@ -335,7 +336,7 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             seen = scraped_samples(prometheus, frames[0].t_start, last)
             compared = _comparable(snapshots, scraped, missed(recording, seen))
             both = Counter(uuid for uuid, _ in compared)
-            reached[0] = both
+            reached = both
             if len(both) == 4 and min(both.values()) >= WHOLE_WINDOWS:
                 return recording
             time.sleep(2)  # a window fills in 10 s: no need to ask every 0.2 s
