@@ -208,9 +208,9 @@ class LabActuator:
     async def set_state(self, backend: str, server: str, state: AdminState) -> None:
         self._server(backend, server)
         if state == "ready":
-            self.run.router.states.pop(server, None)
+            self.run.set_server_state(server, None)
         elif state in ("drain", "maint"):
-            self.run.router.states[server] = str(state)
+            self.run.set_server_state(server, str(state))
         else:
             raise ActuatorError(f"state {state!r} of {backend}/{server} is not ready|drain|maint")
 
@@ -223,7 +223,7 @@ class LabActuator:
             raise ActuatorError(f"no worker {server} of backend {backend} runs in the lab")
         if worker in self.run.pools[worker.plan.pool]:
             raise ActuatorError(f"backend {backend} has a server {server} already")
-        self.run.router.states[server] = "maint"
+        self.run.set_server_state(server, "maint")
         self.run.router.weights[server] = float(weight)
         self.run.add_server(server)
 

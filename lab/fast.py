@@ -157,6 +157,12 @@ class FastRun:
         self.queued_at: dict[int, float] = {}
         self.samples: list[Sample] = []
         self.frames: list[dict[str, object]] = []
+        # when each GPU's server of a pool joined or left its pool's service (in its pool's
+        # server list and not in maint): the pools a GPU could serve at each moment, for the
+        # benchmark's idle-while-queued. A removed or moving GPU serves none.
+        self.service_changes: list[tuple[float, int, str, bool]] = [
+            (0.0, w.plan.gpu, w.plan.pool, True) for w in self.workers
+        ]
         self.telemetry = Telemetry(plan, "lab", ORIGIN_SECONDS)
 
     def _worker_state(self, w: PlannedWorker) -> WorkerState:
@@ -478,20 +484,60 @@ class FastRun:
             raise ValueError(f"GPU {gpu} has {len(found)} workers; moves need one per GPU")
         return found[0]
 
+    def in_service(self, worker: WorkerState) -> bool:
+        """The worker's server is one of its pool's and not in maint."""
+        return (
+            worker in self.pools[worker.plan.pool]
+            and self.router.states.get(worker.name) != "maint"
+        )
+
+    def _note_service(self, worker: WorkerState, was: bool) -> None:
+        if (now := self.in_service(worker)) != was:
+            self.service_changes.append((self.env.now, worker.plan.gpu, worker.plan.pool, now))
+
+    def set_server_state(self, name: str, state: str | None) -> None:
+        """The server's admin state: "drain" or "maint"; None: ready."""
+        worker = self.by_name[name]
+        was = self.in_service(worker)
+        if state is None:
+            self.router.states.pop(name, None)
+        else:
+            self.router.states[name] = state
+        self._note_service(worker, was)
+
+    def service_intervals(self) -> dict[int, dict[str, list[tuple[float, float]]]]:
+        """Each GPU's stretches of [0, duration] in service, per pool."""
+        out: dict[int, dict[str, list[tuple[float, float]]]] = {}
+        since: dict[tuple[int, str], float] = {}
+        for at, gpu, pool, serving in sorted(self.service_changes, key=lambda c: c[0]):
+            stretches = out.setdefault(gpu, {}).setdefault(pool, [])
+            if serving:
+                since.setdefault((gpu, pool), at)
+            elif (start := since.pop((gpu, pool), None)) is not None and at > start:
+                stretches.append((start, at))
+        for (gpu, pool), start in since.items():
+            if start < self.duration:
+                out[gpu][pool].append((start, self.duration))
+        return out
+
     def remove_server(self, name: str) -> None:
         """The worker's server leaves its pool: the router sends it nothing more."""
         worker = self.by_name[name]
+        was = self.in_service(worker)
         pool = self.pools[worker.plan.pool]
         if worker in pool:
             pool.remove(worker)
+        self._note_service(worker, was)
 
     def add_server(self, name: str) -> None:
         """The worker's server joins its pool (the router's admin state and weight apply)."""
         worker = self.by_name[name]
+        was = self.in_service(worker)
         pool = self.pools[worker.plan.pool]
         if worker not in pool:
             pool.append(worker)
             pool.sort(key=lambda w: w.plan.gpu)
+        self._note_service(worker, was)
         self._freed(worker)  # pooled: the central queue has work for it now
 
     def stop_worker(self, name: str) -> None:

@@ -24,12 +24,16 @@ the controller's actions by kind, and the most actions any one server took withi
 period.
 
 **Idle-while-queued** is the run's truth, from the simulator's timeline, not the analyzer's
-estimate from window means: the share of the GPUs' time in which a GPU runs no batch while a
-request it could serve (one of its pool's) waits, either in the pool's central queue or in
-another GPU's batch queue behind the batch that GPU runs. A request waiting for its own idle
-GPU's batch to fill, or for a host core before it reaches a batch queue, is batching or the
-host, not balance, and does not count. One central queue keeps it near 0 (only a dispatch that
-hands a worker requests it cannot start at once leaves some).
+estimate from window means: the share of the GPUs' time in service in which a GPU runs no
+batch while a request it could serve (one of its pool's) waits, either in the pool's central
+queue or in another GPU's batch queue behind the batch that GPU runs. A GPU is in a pool's
+service while its server is one of the pool's and not in maint: one the controller took out
+(a removal, a move between taking it out and readying it in the other pool) idles for
+nobody, and its time out is no GPU-time of the pools; while it drains it still counts. A
+request waiting for its own idle GPU's batch to fill, or for a host core before it reaches a
+batch queue, is batching or the host, not balance, and does not count. One central queue
+keeps it near 0 (only a dispatch that hands a worker requests it cannot start at once leaves
+some).
 """
 
 from __future__ import annotations
@@ -308,16 +312,26 @@ Interval = tuple[float, float]
 def idle_while_queued(
     busy: Mapping[int, Sequence[Interval]],
     waits: Sequence[Wait],
-    pools: Mapping[int, frozenset[str]],
+    service: Mapping[int, Mapping[str, Sequence[Interval]]],
     duration_seconds: float,
 ) -> float | None:
-    """The share of the GPUs' time over [0, duration] in which a GPU ran no batch while a
-    request of one of its pools waited for a GPU: in the pool's queue, or at another GPU while
-    that GPU ran a batch (``busy``: each GPU's batches as (start, end); ``pools``: the pools
-    each GPU serves). None without GPUs or time."""
-    if not pools or duration_seconds <= 0:
+    """The share of the GPUs' time in service over [0, duration] in which a GPU ran no batch
+    while a request of a pool it served then waited for a GPU: in the pool's queue, or at
+    another GPU while that GPU ran a batch (``busy``: each GPU's batches as (start, end);
+    ``service``: each GPU's stretches in service, per pool: a GPU taken out of its pool, or
+    loading another pool's model, serves none and idles for nobody). None without GPU time."""
+    served = {
+        gpu: {pool: _merged(stretches, duration_seconds) for pool, stretches in pools.items()}
+        for gpu, pools in service.items()
+    }
+    in_service = {
+        gpu: _merged([s for stretches in pools.values() for s in stretches], duration_seconds)
+        for gpu, pools in served.items()
+    }
+    total = sum(_length(stretches) for stretches in in_service.values())
+    if total <= 0:
         return None
-    ran = {g: _merged(busy.get(g, ()), duration_seconds) for g in pools}
+    ran = {g: _merged(busy.get(g, ()), duration_seconds) for g in served}
     # the stretches of each wait that another GPU could have taken
     takeable: list[tuple[Wait, list[Interval]]] = []
     for wait in waits:
@@ -326,18 +340,19 @@ def idle_while_queued(
             span = _intersect(_merged(span, duration_seconds), ran.get(wait.gpu, []))
         takeable.append((wait, _merged(span, duration_seconds)))
     idle = 0.0
-    for gpu, served in pools.items():
+    for gpu, pools in served.items():
         waiting = _merged(
             [
                 piece
+                for pool, stretches in pools.items()
                 for wait, pieces in takeable
-                if wait.pool in served and wait.gpu != gpu
-                for piece in pieces
+                if wait.pool == pool and wait.gpu != gpu
+                for piece in _intersect(pieces, stretches)
             ],
             duration_seconds,
         )
         idle += _length(waiting) - _length(_intersect(waiting, ran[gpu]))
-    return idle / (len(pools) * duration_seconds)
+    return idle / total
 
 
 def _merged(intervals: Iterable[Interval], duration: float) -> list[Interval]:
@@ -399,10 +414,7 @@ def run_idle_while_queued(
     busy: dict[int, list[Interval]] = {}
     for (gpu, start), end in batches.items():
         busy.setdefault(gpu, []).append((start, end))
-    pools: dict[int, frozenset[str]] = {}
-    for w in plan.workers:
-        pools[w.gpu] = pools.get(w.gpu, frozenset()) | {w.pool}
-    return idle_while_queued(busy, waits, pools, run.duration)
+    return idle_while_queued(busy, waits, run.service_intervals(), run.duration)
 
 
 def _latency(values: list[float]) -> Latency:

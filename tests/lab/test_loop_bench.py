@@ -233,7 +233,8 @@ def test_idle_while_queued_counts_a_gpu_idle_while_work_it_could_take_waits() ->
         Wait(5.0, 6.0, "q", 0),  # GPU 1 cannot serve pool q
         Wait(8.5, 9.5, "p", None),  # the pool's queue with both idle: each counts 1 s
     ]
-    pools = {0: frozenset({"p", "q"}), 1: frozenset({"p"})}
+    whole = [(0.0, 10.0)]
+    pools = {0: {"p": whole, "q": whole}, 1: {"p": whole}}
     assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx((2 + 1 + 1) / 20)
     # waits that overlap count their time once; time past the run does not count
     assert idle_while_queued(
@@ -243,6 +244,40 @@ def test_idle_while_queued_counts_a_gpu_idle_while_work_it_could_take_waits() ->
         10.0,
     ) == pytest.approx((2 + 1 + 1) / 20)
     assert idle_while_queued(busy, waits, {}, 10.0) is None
+
+
+def test_a_gpu_out_of_its_pool_idles_for_nobody() -> None:
+    # GPU 1 leaves pool p at 3 s (removed, or moving): the pool's queue from 8.5 s and GPU
+    # 0's queue from 2 s are no longer its to take, and its time out of service is no
+    # GPU-time of the pools
+    busy = {0: [(0.0, 4.0), (4.0, 8.0)], 1: [(0.0, 2.0)]}
+    waits = [Wait(1.0, 4.0, "p", 0), Wait(8.5, 9.5, "p", None)]
+    pools = {0: {"p": [(0.0, 10.0)]}, 1: {"p": [(0.0, 3.0)]}}
+    # GPU 1 idles for GPU 0's queue from 2 to 3 s; GPU 0 for the pool's queue 8.5-9.5 s
+    assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx((1 + 1) / 13)
+    # ... and when it serves pool q from 6 s, only q's waits count there
+    pools[1]["q"] = [(6.0, 10.0)]
+    waits.append(Wait(9.0, 9.5, "q", None))
+    assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx((1 + 1 + 0.5) / 17)
+    assert idle_while_queued(busy, waits, {0: {"p": []}}, 10.0) is None
+
+
+def test_the_run_knows_when_each_gpu_served_its_pool(tmp_path: Path) -> None:
+    run = _started(tmp_path / "two.yaml")
+    actuator = LabActuator(run)
+    run.advance(10.0)
+    asyncio.run(actuator.set_state("be_default", "w1", "drain"))  # draining: still serving
+    run.advance(20.0)
+    asyncio.run(actuator.set_state("be_default", "w1", "maint"))
+    run.advance(30.0)
+    asyncio.run(actuator.set_state("be_default", "w1", "ready"))
+    run.advance(40.0)
+    asyncio.run(actuator.del_server("be_default", "w1"))
+    run.finish()
+    assert run.service_intervals() == {
+        0: {"default": [(0.0, 60.0)]},
+        1: {"default": [(0.0, 20.0), (30.0, 40.0)]},
+    }
 
 
 def test_behind_one_central_queue_no_gpu_idles_while_work_waits() -> None:
