@@ -319,9 +319,9 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
 
         wait_until(exporter_samples, DURATION, "the exporter's samples")
 
-        # windows compared both ways per GPU at the last look: what a lab that ended first
-        # had reached
-        reached: Counter[str] = Counter()
+        # where the windows stood at the last look, per GPU: what a lab that ended first had
+        # reached, and what kept the others out
+        reached = "no look yet"
         # the samples of every look so far, by time: the run's whole recording
         taken: dict[float, Sample] = {}
 
@@ -329,7 +329,7 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             nonlocal reached
             ended = (
                 f"the lab's {DURATION:g} s ended before the windows: {WHOLE_WINDOWS} per GPU "
-                f"wanted, {dict(reached)} compared both ways at the last look"
+                f"wanted; at the last look {reached}"
             )
             assert thread.is_alive(), ended
             try:
@@ -347,9 +347,12 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             source = open_source(prometheus.url)
             scraped = _by_window(source.frames(frames[0].t_start, last, WINDOW))
             seen = scraped_samples(prometheus, frames[0].t_start, last)
-            compared = _comparable(snapshots, scraped, missed(recording, seen))
+            gaps = missed(recording, seen)
+            compared = _comparable(snapshots, scraped, gaps)
             both = Counter(uuid for uuid, _ in compared)
-            reached = both
+            reached = _standing(
+                prometheus, snapshots, scraped, gaps, both, last - frames[0].t_start
+            )
             if len(both) == 4 and min(both.values()) >= WHOLE_WINDOWS:
                 return recording
             # a window fills in 10 s: asking more often only takes the CPU the exporter's
@@ -377,6 +380,37 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
         raise failure[0]
     target = f"127.0.0.1:{lab.exporter_port}"
     return Seen(recording, prometheus, exporter_source, exporter_frames, target)
+
+
+def _standing(
+    prometheus: Prometheus,
+    snapshots: dict[tuple[str, int], GpuFrame],
+    scraped: dict[tuple[str, int], GpuFrame],
+    gaps: AbstractSet[int],
+    compared: Counter[str],
+    seconds: float,
+) -> str:
+    """Where a look's windows stand, per GPU: compared both ways, and what kept the others
+    out (the snapshots' whole windows, Prometheus' whole ones, the windows holding a sample no
+    scrape saw), with Prometheus' failed and slowest scrapes over the look's span."""
+    whole = Counter(u for u, _ in _whole_after_whole(snapshots))
+    full = Counter(u for (u, _), f in scraped.items() if f.sample_count >= f.expected_sample_count)
+    span = f"[{math.ceil(seconds)}s]"
+    scrapes = {
+        name: prometheus.api("query", query=query)["result"]
+        for name, query in (
+            ("taken", f"count_over_time(up{span})"),
+            ("failed", f"count_over_time(up{span}) - sum_over_time(up{span})"),
+            ("slowest", f"max_over_time(scrape_duration_seconds{span})"),
+        )
+    }
+    figures = {k: v[0]["value"][1] if v else "0" for k, v in scrapes.items()}
+    return (
+        f"compared both ways {dict(compared)}; of the windows, whole in the snapshots with the "
+        f"one before {dict(whole)}, whole in Prometheus {dict(full)}, holding a sample no "
+        f"scrape saw {len(gaps)} of {len({k for _, k in snapshots})}; Prometheus' scrapes: "
+        f"{figures['failed']} of {figures['taken']} failed, the slowest {figures['slowest']} s"
+    )
 
 
 def _known(value: Any) -> bool:
