@@ -319,23 +319,25 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
 
         wait_until(exporter_samples, DURATION, "the exporter's samples")
 
-        # where the windows stood at the last look, per GPU: what a lab that ended first had
-        # reached, and what kept the others out
-        reached = "no look yet"
+        # the last look's windows (snapshots, Prometheus', those holding a sample no scrape
+        # saw, the run's seconds): what a lab that ended first had reached, said only then
+        looked: list[Look] = []
         # the samples of every look so far, by time: the run's whole recording
         taken: dict[float, Sample] = {}
 
-        def whole_windows() -> Recording | None:
-            nonlocal reached
-            ended = (
+        def ended() -> str:
+            standing = _standing(prometheus, looked[-1]) if looked else "no look yet"
+            return (
                 f"the lab's {DURATION:g} s ended before the windows: {WHOLE_WINDOWS} per GPU "
-                f"wanted; at the last look {reached}"
+                f"wanted; at the last look {standing}"
             )
-            assert thread.is_alive(), ended
+
+        def whole_windows() -> Recording | None:
+            assert thread.is_alive(), ended()
             try:
                 latest = exporter_recording(url, HISTORY, timeout=30)
             except SourceError as exc:  # the lab's exporter stops as the lab ends
-                raise AssertionError(f"{ended} ({exc})") from None
+                raise AssertionError(f"{ended()} ({exc})") from None
             taken.update((s.timestamp_seconds, s) for s in latest.samples)
             recording = dataclasses.replace(latest, samples=tuple(taken[t] for t in sorted(taken)))
             last = recording.samples[-1].timestamp_seconds
@@ -350,9 +352,7 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             gaps = missed(recording, seen)
             compared = _comparable(snapshots, scraped, gaps)
             both = Counter(uuid for uuid, _ in compared)
-            reached = _standing(
-                prometheus, snapshots, scraped, gaps, both, last - frames[0].t_start
-            )
+            looked[:] = [Look(snapshots, scraped, gaps, last - frames[0].t_start)]
             if len(both) == 4 and min(both.values()) >= WHOLE_WINDOWS:
                 return recording
             # a window fills in 10 s: asking more often only takes the CPU the exporter's
@@ -382,20 +382,27 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
     return Seen(recording, prometheus, exporter_source, exporter_frames, target)
 
 
-def _standing(
-    prometheus: Prometheus,
-    snapshots: dict[tuple[str, int], GpuFrame],
-    scraped: dict[tuple[str, int], GpuFrame],
-    gaps: AbstractSet[int],
-    compared: Counter[str],
-    seconds: float,
-) -> str:
+@dataclass
+class Look:
+    """One look at both sides while the lab runs: each side's windows by GPU and index, the
+    windows holding a sample no scrape saw, and the seconds they span."""
+
+    snapshots: dict[tuple[str, int], GpuFrame]
+    scraped: dict[tuple[str, int], GpuFrame]
+    gaps: AbstractSet[int]
+    seconds: float
+
+
+def _standing(prometheus: Prometheus, look: Look) -> str:
     """Where a look's windows stand, per GPU: compared both ways, and what kept the others
     out (the snapshots' whole windows, Prometheus' whole ones, the windows holding a sample no
     scrape saw), with Prometheus' failed and slowest scrapes over the look's span."""
-    whole = Counter(u for u, _ in _whole_after_whole(snapshots))
-    full = Counter(u for (u, _), f in scraped.items() if f.sample_count >= f.expected_sample_count)
-    span = f"[{math.ceil(seconds)}s]"
+    compared = Counter(u for u, _ in _comparable(look.snapshots, look.scraped, look.gaps))
+    whole = Counter(u for u, _ in _whole_after_whole(look.snapshots))
+    full = Counter(
+        u for (u, _), f in look.scraped.items() if f.sample_count >= f.expected_sample_count
+    )
+    span = f"[{math.ceil(look.seconds)}s]"
     scrapes = {
         name: prometheus.api("query", query=query)["result"]
         for name, query in (
@@ -408,8 +415,9 @@ def _standing(
     return (
         f"compared both ways {dict(compared)}; of the windows, whole in the snapshots with the "
         f"one before {dict(whole)}, whole in Prometheus {dict(full)}, holding a sample no "
-        f"scrape saw {len(gaps)} of {len({k for _, k in snapshots})}; Prometheus' scrapes: "
-        f"{figures['failed']} of {figures['taken']} failed, the slowest {figures['slowest']} s"
+        f"scrape saw {len(look.gaps)} of {len({k for _, k in look.snapshots})}; Prometheus' "
+        f"scrapes: {figures['failed']} of {figures['taken']} failed, the slowest "
+        f"{figures['slowest']} s"
     )
 
 
