@@ -1,11 +1,17 @@
 """A live lab run seen two ways: the exporter's snapshot history, and a real Prometheus that
-scraped the same exporter every second. Both give the same frames, the same features and the
+scraped the same exporter twice a second. Both give the same frames, the same features and the
 same ranking of the GPUs, within one window.
 
 "Within one window": Prometheus stores what the exporter last sampled at each scrape, stamped
 with the scrape's time, so its windows see the exporter's samples up to one sampling interval
 late (a tenth of a 10 s window here). A Prometheus figure therefore agrees when it lies within
 the tolerance of the band its own window's snapshot figure and the neighbouring windows' span.
+
+Prometheus scrapes twice per sample. At one scrape per sample the scrapes keep one phase
+against the samples for the whole run (Prometheus offsets each target within the interval by a
+hash of its labels); where that phase lies near the samples' own, a loaded machine's jitter
+makes scrapes miss a sample and see its neighbour twice in most windows (83 of 85 in one round
+of 30 beside a busy core), and too few windows are left to compare.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ pytestmark = [
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WINDOW = 10.0
-INTERVAL = 1.0  # the exporter samples and Prometheus scrapes every second
+INTERVAL = 1.0  # the exporter samples every second
+SCRAPE_INTERVAL = INTERVAL / 2  # Prometheus scrapes twice as often: no sample missed
 SNAPSHOT_AFTER_SAMPLES = 85  # what the exporter holds at least when its history is taken
 # samples asked for at each look: the exporter keeps 302 (its 300 s trend window). The looks'
 # samples are kept together: on a busy machine windows are often short of a sample either
@@ -82,7 +89,7 @@ T = TypeVar("T")
 # is a tenth of a window: one that lands in the neighbouring window, or is scraped twice while
 # its successor is missed, moves a mean by up to a tenth of the samples' spread.
 FRAME_TOLERANCES: dict[str, tuple[float, float]] = {
-    "sample_count": (2, 0),  # a scrape more or less at each edge
+    "sample_count": (2, 0),  # a sample more or less at each edge (scrapes: see _sample_share)
     "utilization_mean_ratio": (0.1, 0),
     "utilization_p95_ratio": (0.1, 0),  # see _p95_agrees
     "memory_used_bytes": (0, 0.02),
@@ -207,13 +214,15 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
-    """prometheus_for(target): a Prometheus scraping ``target`` every second."""
+    """prometheus_for(target): a Prometheus scraping ``target`` twice a second."""
     started: list[Prometheus] = []
 
     def start(target: str) -> Prometheus:
         config = tmp_path / "prometheus.yml"
         config.write_text(
-            f"global: {{scrape_interval: {INTERVAL:g}s, scrape_timeout: {INTERVAL:g}s}}\n"
+            # Prometheus' durations are whole numbers of a unit
+            f"global: {{scrape_interval: {SCRAPE_INTERVAL * 1000:.0f}ms, "
+            f"scrape_timeout: {SCRAPE_INTERVAL * 1000:.0f}ms}}\n"
             "scrape_configs:\n"
             f"  - job_name: gpubalance\n    static_configs: [{{targets: ['{target}']}}]\n"
         )
@@ -457,6 +466,12 @@ def _agrees(
     return _band(value, neighbours, tolerance)
 
 
+def _sample_share(scraped: GpuFrame, snapshot: GpuFrame) -> float:
+    """A Prometheus window's scrapes counted in the exporter's samples: its share of the
+    scrapes it should hold, times the samples the snapshots' window should."""
+    return scraped.sample_count * snapshot.expected_sample_count / scraped.expected_sample_count
+
+
 def _slope_tolerance(
     base: tuple[float, float], queue_max: list[Any], seconds: float
 ) -> tuple[float, float]:
@@ -641,6 +656,8 @@ def assert_agreement(
                 queues = [frame.queue_depth_max, *(n.queue_depth_max for n in neighbours)]
                 tolerance = _slope_tolerance(tolerance, queues, 1.0)
             mine, theirs = getattr(frame, name), [getattr(n, name) for n in neighbours]
+            if name == "sample_count":
+                mine = _sample_share(frame, snapshots[(uuid, k)])
             mean = frame.utilization_mean_ratio
             if not _agrees(name, mine, theirs, tolerance, mean):
                 mismatches.append(f"{uuid} window {k} {name}: {mine} vs {theirs}")
