@@ -352,9 +352,9 @@ def run_seen_twice(fakenvml_dir: Path, prometheus_for: Callable[[str], Prometheu
             last = recording.samples[-1].timestamp_seconds
             frames = list(complete_windows(recording.frames(WINDOW), last))
             snapshots = _by_window(frames)
-            # ... and Prometheus scraped every second of them: on a busy machine a scrape
-            # times out now and then, and a window short of one has too few samples for
-            # increase() (which extrapolates at most half a scrape interval past its edges)
+            # ... and Prometheus scraped all through them: on a busy machine a scrape times
+            # out now and then, and a window short of one has too few samples for increase()
+            # (which extrapolates at most half a scrape interval past its edges)
             source = open_source(prometheus.url)
             scraped = _by_window(source.frames(frames[0].t_start, last, WINDOW))
             seen = scraped_samples(prometheus, frames[0].t_start, last)
