@@ -408,9 +408,7 @@ def _standing(prometheus: Prometheus, look: Look) -> str:
     scrape saw), with Prometheus' failed and slowest scrapes over the look's span."""
     compared = Counter(u for u, _ in _comparable(look.snapshots, look.scraped, look.gaps))
     whole = Counter(u for u, _ in _whole_after_whole(look.snapshots))
-    full = Counter(
-        u for (u, _), f in look.scraped.items() if f.sample_count >= f.expected_sample_count
-    )
+    full = Counter(u for (u, _), f in look.scraped.items() if _scraped_whole(f))
     span = f"[{math.ceil(look.seconds)}s]"
     scrapes = {
         name: prometheus.api("query", query=query)["result"]
@@ -508,6 +506,11 @@ def _whole_after_whole(
     return {(uuid, k) for uuid, k in whole if (uuid, k - 1) in whole}
 
 
+def _scraped_whole(frame: GpuFrame) -> bool:
+    """A Prometheus window holding every scrape it should."""
+    return frame.sample_count >= frame.expected_sample_count
+
+
 def _comparable(
     snapshots: dict[tuple[str, int], GpuFrame],
     scraped: dict[tuple[str, int], GpuFrame],
@@ -520,9 +523,7 @@ def _comparable(
     return sorted(
         key
         for key in _whole_after_whole(snapshots)
-        if key in scraped
-        and scraped[key].sample_count >= scraped[key].expected_sample_count
-        and key[1] not in missed
+        if key in scraped and _scraped_whole(scraped[key]) and key[1] not in missed
     )
 
 
