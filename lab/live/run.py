@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,26 @@ class LiveLab:
         self._figures: dict[str, WorkerFigures] = {}
         self.last_sample: Sample | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def _balancer(self, tries: int = 3) -> Iterator[haproxy.HaproxyProcess]:
+        """HAProxy on the lab's frontend port, stopped on leaving. The port is free when the
+        lab picks it, but another process can bind it before HAProxy does (tests side by
+        side): then the lab picks another, as it does for a worker's port."""
+        for attempt in range(1, tries + 1):
+            balancer = haproxy.HaproxyProcess(self._haproxy_config())
+            try:
+                balancer.start()
+                break
+            except haproxy.HaproxyError as exc:
+                if "Address already in use" not in str(exc) or attempt == tries:
+                    raise
+                log.info("port %d was taken; starting HAProxy on another", self.frontend_port)
+                self.frontend_port = free_port()
+        try:
+            yield balancer
+        finally:
+            balancer.stop()
 
     def _config(self, w: PlannedWorker) -> WorkerConfig:
         gpu = self.plan.gpus[w.gpu]
@@ -588,9 +608,8 @@ class LiveLab:
                 )
                 self._write_state(figures)
                 self._write_procfs()
-                config = self._haproxy_config()
-                with haproxy.HaproxyProcess(config) as balancer:
-                    api = haproxy.RuntimeApi(config.socket_path)
+                with self._balancer() as balancer:
+                    api = haproxy.RuntimeApi(balancer.config.socket_path)
                     if self.on_ready is not None:
                         self.on_ready(self)
                     origin = time.monotonic()

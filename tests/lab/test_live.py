@@ -264,3 +264,20 @@ def test_an_exporter_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -
         assert f"127.0.0.1:{lab.otlp_port}/v1/metrics" in said and f":{taken}" not in said
     finally:
         shutil.rmtree(lab.run_dir, ignore_errors=True)
+
+
+def test_a_frontend_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
+    # as a worker's, HAProxy's frontend port: seen once in a fresh-clone `make test`, where
+    # HAProxy exited with "cannot bind socket (Address already in use)" and the demo with it
+    def take(lab: LiveLab, port: int) -> None:
+        lab.frontend_port = port
+
+    lab, requests, records, taken = _taken_port_run(fakenvml_dir, take)
+    try:
+        assert lab.frontend_port != taken
+        assert len(records) == len(requests)
+        assert {r.outcome for r in records} == {"ok"}
+        said = (lab.run_dir / "haproxy.cfg").read_text()
+        assert f"127.0.0.1:{lab.frontend_port}" in said and f":{taken}" not in said
+    finally:
+        shutil.rmtree(lab.run_dir, ignore_errors=True)
