@@ -35,13 +35,11 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -250,12 +248,6 @@ def backfill(openmetrics: Path, tsdb: Path) -> None:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class Prometheus:
     url: str
@@ -270,41 +262,20 @@ class Prometheus:
 @contextlib.contextmanager
 def prometheus(tsdb: Path, deadline_seconds: float = 120.0) -> Iterator[Prometheus]:
     """A real Prometheus serving ``tsdb`` on 127.0.0.1, once it is ready."""
+    from gpubalance.lab.live.ports import start_prometheus
+
     config = tsdb.parent / "prometheus.yml"
     config.write_text("scrape_configs: []\n")
-    port = free_port()
-    log_path = tsdb.parent / "prometheus.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tsdb}",
-                "--storage.tsdb.retention.time=100y",  # the fleet's time is long past
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    server = start_prometheus(
+        config,
+        tsdb,
+        "--storage.tsdb.retention.time=100y",  # the fleet's time is long past
+        timeout_seconds=deadline_seconds,
+    )
     try:
-        deadline = time.monotonic() + deadline_seconds
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"Prometheus exited:\n{log_path.read_text()}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{url}/-/ready", timeout=5) as response,
-            ):
-                if response.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Prometheus not ready:\n{log_path.read_text()}")
-            time.sleep(0.2)
-        yield Prometheus(url, process.pid)
+        yield Prometheus(server.url, server.process.pid)
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        server.stop()
 
 
 @dataclass

@@ -69,8 +69,8 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import generate_latest
 
 from gpubalance.lab.fakenvml import build_library, write_state
+from gpubalance.lab.live.ports import free_port
 from gpubalance.lab.live.procfs import write_procfs
-from gpubalance.lab.live.run import free_port
 from gpubalance.telemetry import (
     CpuTimes,
     DiskCounters,

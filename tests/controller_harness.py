@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from harness import EchoServers
+from harness import EchoServers, haproxy_over
 from pydantic import TypeAdapter
 
 from gpubalance.controller.analyzer_client import AnalyzerClient
@@ -49,7 +49,7 @@ from gpubalance.lab.live.haproxy import (
     Server,
     find_haproxy,
 )
-from gpubalance.lab.live.run import free_port
+from gpubalance.lab.live.ports import free_port
 
 TOKEN = "s3cret-token"
 _ADAPTER: TypeAdapter[list[Recommendation]] = TypeAdapter(list[Recommendation])
@@ -154,17 +154,6 @@ class Backends(EchoServers):
             backends=(Backend(backend, servers),),
             run_dir=run_dir,
         )
-
-
-@contextlib.asynccontextmanager
-async def haproxy_over(config: HaproxyConfig) -> AsyncIterator[HaproxyProcess]:
-    """HAProxy started and stopped off the event loop, so the backends keep answering."""
-    process = HaproxyProcess(config)
-    await asyncio.to_thread(process.start)
-    try:
-        yield process
-    finally:
-        await asyncio.to_thread(process.stop)
 
 
 # settings for tests: act, one pass of dwell, a large step
@@ -365,7 +354,7 @@ class Pools:
 
     @property
     def port(self) -> int:
-        return self.config.frontends[0].port
+        return self.haproxy.config.frontends[0].port
 
     def placement(self) -> dict[str, list[tuple[str, str, bool]]]:
         """Backend -> (server, admin, up) of each of its servers, as HAProxy shows them."""

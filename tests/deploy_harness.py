@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpubalance.lab.live.run import free_port
+from gpubalance.lab.live import ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -168,19 +168,5 @@ class Scrapes:
 def start_prometheus(directory: Path) -> Process:
     """A real Prometheus on ``directory``/prometheus.yml, its TSDB beside it; returns once
     it is ready."""
-    url = f"http://127.0.0.1:{free_port()}"
-    log = directory / "prometheus.log"
-    with log.open("wb") as out:
-        popen = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={directory / 'prometheus.yml'}",
-                f"--storage.tsdb.path={directory / 'tsdb'}",
-                f"--web.listen-address={url.removeprefix('http://')}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    process = Process(popen, log, url)
-    process.wait_for("/-/ready", lambda text: "Ready" in text)
-    return process
+    server = ports.start_prometheus(directory / "prometheus.yml", directory / "tsdb")
+    return Process(server.process, server.log_path, server.url)

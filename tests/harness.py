@@ -4,6 +4,7 @@ exporter. Importable from any test (pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -16,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpubalance.lab import traffic
 from gpubalance.lab.fakenvml import write_state
-from gpubalance.lab.live.haproxy import Server
+from gpubalance.lab.live.haproxy import HaproxyConfig, HaproxyProcess, Server, start_on_free_ports
 from gpubalance.lab.live.run import LiveLab
 from gpubalance.lab.scenario import Plan, Scenario, plan
 
@@ -308,3 +309,15 @@ def run_on_terminal(command: list[str], timeout: float) -> OnTerminal:
     os.close(primary)
     assert process.stdout is not None
     return OnTerminal(returncode, shown, process.stdout.read())
+
+
+@contextlib.asynccontextmanager
+async def haproxy_over(config: HaproxyConfig) -> AsyncIterator[HaproxyProcess]:
+    """HAProxy started and stopped off the event loop, so the backends keep answering. Its
+    ports are its ``config``'s, or others if a test beside this one took one first: ask the
+    process's ``config`` where it listens."""
+    process = await asyncio.to_thread(start_on_free_ports, config)
+    try:
+        yield process
+    finally:
+        await asyncio.to_thread(process.stop)

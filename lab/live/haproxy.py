@@ -25,7 +25,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal, get_args
@@ -42,6 +42,7 @@ from gpubalance.controller.haproxy import (
     check_name,
 )
 from gpubalance.controller.haproxy import ServerStat as ServerStat
+from gpubalance.lab.live.ports import PortTakenError, free_port, on_a_free_port, says_port_taken
 
 APT_INSTALL = "sudo apt-get install haproxy"
 
@@ -76,6 +77,10 @@ def stat_algorithm(policy: str) -> str:
 
 # sun_path is 108 bytes including the terminating NUL
 _MAX_SOCKET_PATH = 107
+
+
+class HaproxyPortTakenError(HaproxyError, PortTakenError):
+    """A frontend's port was taken when HAProxy bound it: start it again on another."""
 
 
 class HaproxyNotFoundError(HaproxyError):
@@ -448,9 +453,10 @@ class HaproxyProcess:
         while True:
             code = self._process.poll()
             if code is not None:
-                raise HaproxyError(
-                    f"HAProxy exited with code {code} at start; from {self.log_path}:\n"
-                    f"{self._log_tail()}"
+                said = self._log_tail()
+                kind = HaproxyPortTakenError if says_port_taken(said) else HaproxyError
+                raise kind(
+                    f"HAProxy exited with code {code} at start; from {self.log_path}:\n{said}"
                 )
             if self._answers() and all(_accepts(host, port) for host, port in ports):
                 return
@@ -503,6 +509,27 @@ class HaproxyProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def start_on_free_ports(config: HaproxyConfig) -> HaproxyProcess:
+    """HAProxy started on ``config``. Its ports were free when chosen, but another process can
+    bind one before HAProxy does (tests side by side): then it starts again with every port
+    chosen anew; the one it runs with is the returned process's ``config``."""
+
+    def start(port: int) -> HaproxyProcess:
+        nonlocal config
+        if port != config.frontends[0].port:  # a later try
+            others = [replace(f, port=free_port()) for f in config.frontends[1:]]
+            config = replace(
+                config,
+                frontends=(replace(config.frontends[0], port=port), *others),
+                stats_port=None if config.stats_port is None else free_port(),
+            )
+        process = HaproxyProcess(config)
+        process.start()
+        return process
+
+    return on_a_free_port(start, first=config.frontends[0].port)
 
 
 def _accepts(host: str, port: int) -> bool:

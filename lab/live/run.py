@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from gpubalance.lab.figures import (
 from gpubalance.lab.live import haproxy
 from gpubalance.lab.live.loadgen import send_all
 from gpubalance.lab.live.locks import FileLock, FileSemaphore
+from gpubalance.lab.live.ports import PortTakenError, free_port
 from gpubalance.lab.live.procfs import write_procfs
 from gpubalance.lab.live.worker import PORT_TAKEN_EXIT, Shared, WorkerConfig, config_json
 from gpubalance.lab.live.worker import main as worker_main
@@ -68,16 +68,6 @@ MAX_WEIGHT = 100
 
 # what the exporter logs once it listens on its scrape port, then on its OTLP port
 _LISTENING = ("listening on http://", "OTLP receiver at http://")
-
-
-class PortTakenError(RuntimeError):
-    """A worker found its port taken as it started."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run_dir() -> Path:
@@ -146,20 +136,11 @@ class LiveLab:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.contextmanager
-    def _balancer(self, tries: int = 3) -> Iterator[haproxy.HaproxyProcess]:
-        """HAProxy on the lab's frontend port, stopped on leaving. The port is free when the
-        lab picks it, but another process can bind it before HAProxy does (tests side by
-        side): then the lab picks another, as it does for a worker's port."""
-        for attempt in range(1, tries + 1):
-            balancer = haproxy.HaproxyProcess(self._haproxy_config())
-            try:
-                balancer.start()
-                break
-            except haproxy.HaproxyError as exc:
-                if "Address already in use" not in str(exc) or attempt == tries:
-                    raise
-                log.info("port %d was taken; starting HAProxy on another", self.frontend_port)
-                self.frontend_port = free_port()
+    def _balancer(self) -> Iterator[haproxy.HaproxyProcess]:
+        """HAProxy on the lab's frontend port (another, if a process took that one before
+        HAProxy bound it), stopped on leaving."""
+        balancer = haproxy.start_on_free_ports(self._haproxy_config())
+        self.frontend_port = balancer.config.frontends[0].port
         try:
             yield balancer
         finally:

@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -44,7 +43,7 @@ from gpubalance.analyzer.sources import (
     SourceError,
     open_source,
 )
-from gpubalance.lab.live.run import free_port
+from gpubalance.lab.live.ports import free_port, start_prometheus
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prometheus-fleet.json"
 UPDATE = os.environ.get("GPUBALANCE_UPDATE_GOLDEN") == "1"
@@ -309,21 +308,12 @@ def record(tmp_path: Path) -> dict[str, Any]:
         capture_output=True,
     )
     (tmp_path / "prometheus.yml").write_text("scrape_configs: []\n")
-    port = free_port()
-    log_path = tmp_path / "prometheus.log"
-    with log_path.open("wb") as log:
-        prometheus = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                "--storage.tsdb.retention.time=100y",  # the fleet's time is long past
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    upstream = f"http://127.0.0.1:{port}"
+    prometheus = start_prometheus(
+        tmp_path / "prometheus.yml",
+        tmp_path / "tsdb",
+        "--storage.tsdb.retention.time=100y",  # the fleet's time is long past
+    )
+    upstream = prometheus.url
     answers: Recording = {}
 
     def forward(method: str, path: str, form: dict[str, str]) -> tuple[int, str, bytes]:
@@ -343,25 +333,13 @@ def record(tmp_path: Path) -> dict[str, Any]:
 
     proxy = serve(forward)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert prometheus.poll() is None, log_path.read_text()
-            try:
-                with urllib.request.urlopen(f"{upstream}/-/ready", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"Prometheus not ready:\n{log_path.read_text()}"
-            time.sleep(0.1)
         version = PrometheusSource(proxy.url).build_info()["version"]
         for options, arguments in CALLS.values():
             with contextlib.suppress(SourceError):  # an error is recorded like any answer
                 PrometheusSource(proxy.url, **options).frames(*arguments)
     finally:
         proxy.shutdown()
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
+        prometheus.stop()
     return {"prometheus": version, "answers": answers}
 
 

@@ -52,7 +52,8 @@ from gpubalance.analyzer.sources import (
     open_source,
 )
 from gpubalance.lab import scenario, traffic
-from gpubalance.lab.live.run import LiveLab, free_port
+from gpubalance.lab.live.ports import start_prometheus
+from gpubalance.lab.live.run import LiveLab
 from gpubalance.telemetry import Sample
 
 pytestmark = [
@@ -226,20 +227,8 @@ def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
             "scrape_configs:\n"
             f"  - job_name: gpubalance\n    static_configs: [{{targets: ['{target}']}}]\n"
         )
-        port = free_port()
-        log_path = tmp_path / "prometheus.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [
-                    "prometheus",
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        started.append(Prometheus(process, f"http://127.0.0.1:{port}", log_path))
+        server = start_prometheus(config, tmp_path / "tsdb")
+        started.append(Prometheus(server.process, server.url, server.log_path))
         return started[-1]
 
     yield start

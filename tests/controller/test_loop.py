@@ -152,7 +152,7 @@ def test_the_last_ready_server_is_never_drained(tmp_path: Path) -> None:
                     e for e in audit(tmp_path / "audit.jsonl") if e["decision"] == "rejected"
                 ]
                 assert entry["recommendation"] == "r1"
-                async with http.get(f"http://127.0.0.1:{config.frontends[0].port}/") as r:
+                async with http.get(f"http://127.0.0.1:{haproxy.config.frontends[0].port}/") as r:
                     assert await r.text() == "s1"
 
     asyncio.run(scenario())
@@ -162,8 +162,8 @@ def test_remove_worker_drains_until_sessions_reach_zero_then_enters_maint(tmp_pa
     async def scenario() -> None:
         async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
             config = backends.config(tmp_path / "run")
-            front = f"http://127.0.0.1:{config.frontends[0].port}"
             async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                front = f"http://127.0.0.1:{haproxy.config.frontends[0].port}"
                 # round robin: the first request goes to s1 and stays in flight
                 held = asyncio.create_task(http.get(f"{front}/hold"))
                 async with asyncio.timeout(10):

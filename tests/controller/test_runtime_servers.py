@@ -35,8 +35,8 @@ def test_a_server_is_added_in_maint_readied_readdressed_and_deleted(tmp_path: Pa
             # only s1 in HAProxy's config: s2 arrives at runtime, then moves to s3's port
             be = config.backends[0]
             config = replace(config, backends=(replace(be, servers=be.servers[:1]),))
-            port = config.frontends[0].port
             async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                port = haproxy.config.frontends[0].port
                 api = haproxy.api
                 api.add_server("be", "gpu1", "127.0.0.1", backends.ports["s2"], 100)
                 added = {s.server: s for s in api.show_servers_state("be")}["gpu1"]

@@ -270,8 +270,8 @@ def test_killed_mid_drain_a_restarted_controller_finishes_it_without_repeating(
     async def scenario() -> None:
         async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
             config = backends.config(tmp_path / "run")
-            front = f"http://127.0.0.1:{config.frontends[0].port}"
             async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                front = f"http://127.0.0.1:{haproxy.config.frontends[0].port}"
                 held = asyncio.create_task(http.get(f"{front}/hold"))  # round robin: s1
                 async with asyncio.timeout(10):
                     while sum(backends.held.values()) < 1:

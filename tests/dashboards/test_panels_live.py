@@ -18,6 +18,7 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +39,8 @@ from gpubalance.dashboards import DASHBOARDS
 from gpubalance.dashboards.dcgm import UNSUPPORTED_ON_GEFORCE
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.fakenvml import write_state
-from gpubalance.lab.live.run import LiveLab, free_port
+from gpubalance.lab.live.ports import start_prometheus
+from gpubalance.lab.live.run import LiveLab
 
 pytestmark = [
     pytest.mark.live,
@@ -210,9 +212,9 @@ class LiveSystem:
         )
         self.failure: list[BaseException] = []
         self.thread = threading.Thread(target=self._run_lab)
-        self.fault_port = free_port()
-        self.analyzer_port = free_port()
-        self.controller_port = free_port()
+        # where the fault host's exporter, the analyzer and the controller listen: each on a
+        # port of its own choice (0), read from its log
+        self.urls: dict[str, str] = {}
 
     def _run_lab(self) -> None:
         try:
@@ -232,12 +234,14 @@ class LiveSystem:
         self.processes.append(process)
         return log_path
 
-    def _wait_listening(self, log_path: Path, seconds: float = 60) -> None:
+    def _wait_listening(self, log_path: Path, seconds: float = 60) -> str:
+        """The URL the process last started says it listens on."""
         deadline = time.monotonic() + seconds
-        while not LISTENING.search(log_path.read_text(errors="replace")):
+        while not (said := LISTENING.search(log_path.read_text(errors="replace"))):
             assert self.processes[-1].poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, f"not listening:\n{log_path.read_text()}"
             time.sleep(0.1)
+        return said[1]
 
     def _start_fault_host(self) -> None:
         """Two GPUs; GPU 1 in a hardware thermal slowdown, and an XID once NVML events are
@@ -256,7 +260,7 @@ class LiveSystem:
             [
                 "exporter",
                 "--listen",
-                f"127.0.0.1:{self.fault_port}",
+                "127.0.0.1:0",
                 "--otlp-listen",
                 "127.0.0.1:0",
                 "--hostname",
@@ -270,8 +274,8 @@ class LiveSystem:
             ],
             self.env(self.fault_state),
         )
-        self._wait_listening(log_path)
-        url = f"http://127.0.0.1:{self.fault_port}/metrics"
+        self.urls["fault-host"] = self._wait_listening(log_path)
+        url = f"{self.urls['fault-host']}/metrics"
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -286,18 +290,21 @@ class LiveSystem:
             time.sleep(0.2)
         write_state(self.fault_state, {**state, "gpu1.xid": str(XID)})
 
-    def _start_prometheus(self) -> None:
+    def _prometheus_config(self) -> Path:
+        """Prometheus' scrape jobs: the analyzer's and the controller's once they listen."""
         vllm = [
             f"127.0.0.1:{c.port}" for c in self.lab.configs.values() if c.metrics_format == "vllm"
         ]
-        exporters = [f"127.0.0.1:{self.lab.exporter_port}", f"127.0.0.1:{self.fault_port}"]
+        target = {name: url.removeprefix("http://") for name, url in self.urls.items()}
+        exporters = [f"127.0.0.1:{self.lab.exporter_port}", target["fault-host"]]
         jobs = {
             "gpubalance-exporter": (exporters, {}),
             "dcgm": ([exporters[0]], {"params": {"names": ["dcgm"]}}),
             "vllm": (vllm, {}),
-            "gpubalance-analyzer": ([f"127.0.0.1:{self.analyzer_port}"], {}),
-            "gpubalance-controller": ([f"127.0.0.1:{self.controller_port}"], {}),
         }
+        for name in ("analyzer", "controller"):
+            if name in target:
+                jobs[f"gpubalance-{name}"] = ([target[name]], {})
         config = {
             "global": {
                 "scrape_interval": f"{SCRAPE_SECONDS}s",
@@ -310,30 +317,22 @@ class LiveSystem:
         }
         config_path = self.tmp / "prometheus.yml"
         config_path.write_text(json.dumps(config))  # JSON is YAML
-        port = free_port()
-        log_path = self.tmp / "prometheus.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [
-                    "prometheus",
-                    f"--config.file={config_path}",
-                    f"--storage.tsdb.path={self.tmp / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.processes.append(process)
-        self.prometheus = Prometheus(process, f"http://127.0.0.1:{port}", log_path)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.prometheus.url}/-/ready", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        return config_path
+
+    def _start_prometheus(self) -> None:
+        config_path = self._prometheus_config()
+        server = start_prometheus(config_path, self.tmp / "tsdb")
+        self.processes.append(server.process)
+        self.prometheus = Prometheus(server.process, server.url, server.log_path)
+
+    def _reload_prometheus(self) -> None:
+        """Prometheus scrapes the analyzer and the controller too, once it has reloaded."""
+        self._prometheus_config()
+        self.prometheus.process.send_signal(signal.SIGHUP)
+        targets = [self.urls[n].removeprefix("http://") for n in ("analyzer", "controller")]
+        deadline = time.monotonic() + 30
+        while not all(t in self.prometheus.api("status/config", [])["yaml"] for t in targets):
+            assert time.monotonic() < deadline, self.prometheus.log_path.read_text()
             time.sleep(0.2)
 
     def __enter__(self) -> LiveSystem:
@@ -356,20 +355,20 @@ class LiveSystem:
                     "--interval",
                     "2",
                     "--listen",
-                    f"127.0.0.1:{self.analyzer_port}",
+                    "127.0.0.1:0",
                 ],
             )
-            self._wait_listening(analyzer_log)
-            self._start(
+            self.urls["analyzer"] = self._wait_listening(analyzer_log)
+            controller_log = self._start(
                 "controller",
                 [
                     "controller",
                     "--analyzer",
-                    f"http://127.0.0.1:{self.analyzer_port}",
+                    self.urls["analyzer"],
                     "--haproxy-socket",
                     str(self.lab.run_dir / "haproxy.sock"),
                     "--listen",
-                    f"127.0.0.1:{self.controller_port}",
+                    "127.0.0.1:0",
                     "--audit-log",
                     str(self.tmp / "audit.jsonl"),
                     "--interval",
@@ -378,6 +377,8 @@ class LiveSystem:
                     "1",
                 ],
             )
+            self.urls["controller"] = self._wait_listening(controller_log)
+            self._reload_prometheus()
         except BaseException:
             self.__exit__()
             raise

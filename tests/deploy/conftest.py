@@ -17,11 +17,11 @@ from deploy_harness import (
     ROOT,
     Process,
     Scrapes,
-    free_port,
     start,
 )
 
 from gpubalance.lab.fakenvml import write_state
+from gpubalance.lab.live.ports import start_server
 
 ALERTMANAGER_BINARY = "prometheus-alertmanager"  # Debian's name for the alertmanager binary
 
@@ -31,22 +31,18 @@ def alertmanager(tmp_path: Path) -> Iterator[Process]:
     """deploy/alertmanager/alertmanager.yml in a real Alertmanager, alone (no cluster)."""
     if shutil.which(ALERTMANAGER_BINARY) is None:
         pytest.skip("alertmanager is missing: apt-get install prometheus-alertmanager")
-    url = f"http://127.0.0.1:{free_port()}"
-    log = tmp_path / "alertmanager.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                ALERTMANAGER_BINARY,
-                f"--config.file={ALERTMANAGER}",
-                f"--storage.path={tmp_path / 'data'}",
-                f"--web.listen-address={url.removeprefix('http://')}",
-                "--cluster.listen-address=",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    running = Process(process, log, url)
-    running.wait_for("/-/ready", lambda text: "OK" in text, timeout=30)
+    server = start_server(
+        lambda address: [
+            ALERTMANAGER_BINARY,
+            f"--config.file={ALERTMANAGER}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address={address}",
+            "--cluster.listen-address=",
+        ],
+        tmp_path / "alertmanager.log",
+        timeout_seconds=30,
+    )
+    running = Process(server.process, server.log_path, server.url)
     yield running
     running.stop()
 

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gpubalance.config import ConfigError
 from gpubalance.lab.fakenvml import write_state
+from gpubalance.lab.live.ports import start_prometheus
 from gpubalance.webconfig import WebSecurity, build_ssl_context, load_web_config
 
 pytestmark = pytest.mark.skipif(
@@ -225,12 +226,6 @@ def der(pair: Pair) -> bytes:
     return ssl.PEM_cert_to_DER_cert(pair.crt.read_text())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus")
 def test_prometheus_scrapes_over_tls_with_basic_auth(
     start: ExporterFactory, pki: Pki, tmp_path: Path
@@ -253,23 +248,12 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(
         + job("wrong", "    basic_auth: {username: prometheus, password: guess}\n")
         + job("none", "")
     )
-    port = free_port()
-    with (tmp_path / "prometheus.log").open("wb") as log:
-        prometheus = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    api = f"http://127.0.0.1:{port}/api/v1"
+    prometheus = start_prometheus(config, tmp_path / "tsdb")
+    api = f"{prometheus.url}/api/v1"
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert prometheus.poll() is None, (tmp_path / "prometheus.log").read_text()
+            assert prometheus.process.poll() is None, prometheus.log_path.read_text()
             try:
                 with urllib.request.urlopen(f"{api}/targets", timeout=5) as response:
                     targets = json.load(response)["data"]["activeTargets"]
@@ -288,8 +272,7 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(
             up = {r["metric"]["job"]: r["value"][1] for r in json.load(response)["data"]["result"]}
         assert up == {"right": "1", "wrong": "0", "none": "0"}
     finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
+        prometheus.stop()
 
 
 def test_every_endpoint_needs_the_password(

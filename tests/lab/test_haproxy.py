@@ -7,16 +7,15 @@ Each echo server answers its own name, so the response body says where HAProxy s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
 import pytest
-from harness import EchoServers
+from harness import EchoServers, haproxy_over
 
 from gpubalance.lab.live import haproxy as haproxy_module
 from gpubalance.lab.live.haproxy import (
@@ -29,6 +28,7 @@ from gpubalance.lab.live.haproxy import (
     HaproxyConfig,
     HaproxyError,
     HaproxyNotFoundError,
+    HaproxyPortTakenError,
     HaproxyProcess,
     RuntimeApi,
     RuntimeApiError,
@@ -38,7 +38,7 @@ from gpubalance.lab.live.haproxy import (
     render,
     stat_algorithm,
 )
-from gpubalance.lab.live.run import free_port
+from gpubalance.lab.live.ports import free_port
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -59,17 +59,6 @@ def needs_haproxy(test: F) -> F:
     return pytest.mark.haproxy(installed(test))
 
 
-@contextlib.asynccontextmanager
-async def running(config: HaproxyConfig) -> AsyncIterator[HaproxyProcess]:
-    """HAProxy started and stopped off the event loop, so the echo servers keep answering."""
-    process = HaproxyProcess(config)
-    await asyncio.to_thread(process.start)
-    try:
-        yield process
-    finally:
-        await asyncio.to_thread(process.stop)
-
-
 def one_backend(tmp_path: Path, backend: Backend, **config: object) -> HaproxyConfig:
     return HaproxyConfig(
         frontends=(Frontend("fe", free_port(), backend.name),),
@@ -79,8 +68,8 @@ def one_backend(tmp_path: Path, backend: Backend, **config: object) -> HaproxyCo
     )
 
 
-def url(config: HaproxyConfig, path: str = "/") -> str:
-    frontend = config.frontends[0]
+def url(haproxy: HaproxyProcess, path: str = "/") -> str:
+    frontend = haproxy.config.frontends[0]
     return f"http://{frontend.host}:{frontend.port}{path}"
 
 
@@ -273,8 +262,42 @@ def test_start_failure_shows_haproxys_log(tmp_path: Path) -> None:
             run_dir=tmp_path,
         )
         process = HaproxyProcess(config)
-        with pytest.raises(HaproxyError, match=r"(?s)exited with code.*cannot bind"):
+        with pytest.raises(HaproxyPortTakenError, match=r"(?s)exited with code.*cannot bind"):
             process.start()
+
+
+@needs_haproxy
+def test_a_taken_port_is_chosen_anew(tmp_path: Path) -> None:
+    # another process binds the chosen frontend port before HAProxy does (tests side by side):
+    # HAProxy starts again on other ports, and its process's config says which
+    async def scenario() -> None:
+        async with EchoServers(["s1"]) as echo:
+            with socket.socket() as taken:
+                taken.bind(("127.0.0.1", 0))
+                taken.listen()
+                port = taken.getsockname()[1]
+                config = HaproxyConfig(
+                    frontends=(
+                        Frontend("fe", port, "be"),
+                        Frontend("fe2", free_port(), "be"),
+                    ),
+                    backends=(Backend("be", echo.servers()),),
+                    run_dir=tmp_path,
+                    stats_port=free_port(),
+                )
+                async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                    moved = haproxy.config
+                    assert moved.frontends[0].port != port
+                    assert moved.stats_port != config.stats_port
+                    for frontend in moved.frontends:
+                        target = f"http://127.0.0.1:{frontend.port}/"
+                        assert await where(http, target, 2) == {"s1": 2}
+                    stats = f"http://127.0.0.1:{moved.stats_port}/metrics"
+                    async with http.get(stats) as response:
+                        assert response.status == 200
+                assert f":{port}" not in (tmp_path / "haproxy.cfg").read_text()
+
+    asyncio.run(scenario())
 
 
 def test_unreachable_socket_says_what_to_check(tmp_path: Path) -> None:
@@ -287,8 +310,8 @@ def test_round_robin_spreads_evenly(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with EchoServers(["s1", "s2", "s3"]) as echo:
             config = one_backend(tmp_path, Backend("be", echo.servers()))
-            async with running(config), aiohttp.ClientSession() as http:
-                assert await where(http, url(config), 30) == {"s1": 10, "s2": 10, "s3": 10}
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                assert await where(http, url(haproxy), 30) == {"s1": 10, "s2": 10, "s3": 10}
 
     asyncio.run(scenario())
 
@@ -299,8 +322,8 @@ def test_weights_split_traffic_in_proportion(tmp_path: Path) -> None:
         async with EchoServers(["s1", "s2", "s3"]) as echo:
             servers = echo.servers(s1={"weight": 3}, s2={"weight": 1}, s3={"weight": 0})
             config = one_backend(tmp_path, Backend("be", servers))
-            async with running(config), aiohttp.ClientSession() as http:
-                answered = await where(http, url(config), 80)
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                answered = await where(http, url(haproxy), 80)
             assert answered["s3"] == 0
             assert abs(answered["s1"] - 60) <= 2, answered
             assert abs(answered["s2"] - 20) <= 2, answered
@@ -313,14 +336,14 @@ def test_least_connections_prefers_the_idle_server(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with EchoServers(["s1", "s2", "s3"]) as echo:
             config = one_backend(tmp_path, Backend("be", echo.servers(), "least_connections"))
-            async with running(config), aiohttp.ClientSession() as http:
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 busy = []
                 for held in (1, 2):
-                    busy.append(asyncio.create_task(fetch(http, url(config, "/hold"))))
+                    busy.append(asyncio.create_task(fetch(http, url(haproxy, "/hold"))))
                     await echo.wait_held(held)
                 idle = set(echo.names) - {name for name, n in echo.held.items() if n}
                 assert len(idle) == 1
-                assert await where(http, url(config), 10) == {idle.pop(): 10}
+                assert await where(http, url(haproxy), 10) == {idle.pop(): 10}
                 echo.release.set()
                 assert [status for status, _ in await asyncio.gather(*busy)] == [200, 200]
 
@@ -333,22 +356,22 @@ def test_sticky_cookie_pins_to_the_named_server(tmp_path: Path) -> None:
         async with EchoServers(["s1", "s2", "s3"]) as echo:
             servers = echo.servers(s2={"cookie": "gpu2"})
             config = one_backend(tmp_path, Backend("be", servers, "sticky"))
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
-                pinned = await where(http, url(config), 12, {"Cookie": f"{STICKY_COOKIE}=gpu2"})
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                pinned = await where(http, url(haproxy), 12, {"Cookie": f"{STICKY_COOKIE}=gpu2"})
                 assert pinned == {"s2": 12}
-                assert await where(http, url(config), 12, {"Cookie": f"{STICKY_COOKIE}=s3"}) == {
+                assert await where(http, url(haproxy), 12, {"Cookie": f"{STICKY_COOKIE}=s3"}) == {
                     "s3": 12
                 }
                 # draining keeps the pinned requests: the controller must move the sessions
                 haproxy.api.set_state("be", "s2", "drain")
-                assert await where(http, url(config), 4, {"Cookie": f"{STICKY_COOKIE}=gpu2"}) == {
+                assert await where(http, url(haproxy), 4, {"Cookie": f"{STICKY_COOKIE}=gpu2"}) == {
                     "s2": 4
                 }
                 haproxy.api.set_state("be", "s2", "ready")
                 # no cookie: plain round robin, and HAProxy sets none (the client owns it)
-                async with http.get(url(config)) as response:
+                async with http.get(url(haproxy)) as response:
                     assert STICKY_COOKIE not in response.cookies
-                assert set(await where(http, url(config), 12)) == {"s1", "s2", "s3"}
+                assert set(await where(http, url(haproxy), 12)) == {"s1", "s2", "s3"}
 
     asyncio.run(scenario())
 
@@ -368,13 +391,13 @@ def test_pooled_classes_share_the_workers_slots_and_one_queue(tmp_path: Path) ->
                 backends=(backend,),
                 run_dir=tmp_path,
             )
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 batch = [
-                    asyncio.create_task(fetch(http, url(config, "/hold"), {"X-Class": "batch"}))
+                    asyncio.create_task(fetch(http, url(haproxy, "/hold"), {"X-Class": "batch"}))
                     for _ in range(2)
                 ]
                 await echo.wait_held(2)
-                interactive = asyncio.create_task(fetch(http, url(config, "/hold")))
+                interactive = asyncio.create_task(fetch(http, url(haproxy, "/hold")))
                 await _wait_queued(haproxy.api, "be_pool", 1)
                 rows = {s.svname: s for s in haproxy.api.show_stat("be_pool")}
                 assert dict(echo.held) == {"s1": 1, "s2": 1}
@@ -400,10 +423,10 @@ def test_pooled_rejects_after_queue_timeout(tmp_path: Path) -> None:
                 "be", echo.servers(s1={"maxconn": 1}), "pooled", queue_timeout_seconds=0.2
             )
             config = one_backend(tmp_path, backend)
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
-                held = asyncio.create_task(fetch(http, url(config, "/hold")))
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                held = asyncio.create_task(fetch(http, url(haproxy, "/hold")))
                 await echo.wait_held(1)
-                async with http.get(url(config, "/hold")) as response:
+                async with http.get(url(haproxy, "/hold")) as response:
                     assert response.status == 503
                     assert response.content_type == "text/html"  # HAProxy's page, no worker's
                 echo.release.set()
@@ -419,15 +442,15 @@ def test_pooled_answers_429_with_retry_after_once_max_queue_wait(tmp_path: Path)
         async with EchoServers(["s1"]) as echo:
             backend = Backend("be", echo.servers(s1={"maxconn": 1}), "pooled", max_queue=1)
             config = one_backend(tmp_path, backend)
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
-                held = asyncio.create_task(fetch(http, url(config, "/hold")))
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                held = asyncio.create_task(fetch(http, url(haproxy, "/hold")))
                 await echo.wait_held(1)
-                waiting = asyncio.create_task(fetch(http, url(config, "/hold")))
+                waiting = asyncio.create_task(fetch(http, url(haproxy, "/hold")))
                 async with asyncio.timeout(10):
                     while _row(haproxy.api, "be", "BACKEND").qcur != 1:
                         await asyncio.sleep(0.005)
                 # the queue holds max_queue: the next is turned away at once, not queued
-                async with http.get(url(config, "/hold")) as response:
+                async with http.get(url(haproxy, "/hold")) as response:
                     assert response.status == 429
                     assert response.headers["Retry-After"] == str(RETRY_AFTER_SECONDS)
                 echo.release.set()
@@ -448,11 +471,12 @@ def test_pooled_bursts_never_exceed_maxconn(tmp_path: Path) -> None:
         async with EchoServers([f"s{i}" for i in range(servers)]) as echo:
             limits = {name: {"maxconn": 1} for name in echo.names}
             config = one_backend(tmp_path, Backend("be", echo.servers(**limits), "pooled"))
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 for _ in range(25):
                     echo.release.clear()
                     sent = [
-                        asyncio.create_task(fetch(http, url(config, "/hold"))) for _ in range(burst)
+                        asyncio.create_task(fetch(http, url(haproxy, "/hold")))
+                        for _ in range(burst)
                     ]
                     # every request of the burst is either held by a worker or queued
                     async with asyncio.timeout(20):
@@ -491,13 +515,13 @@ def test_health_check_takes_a_failing_server_out_and_back(tmp_path: Path) -> Non
                 health_check_interval_seconds=0.05,
             )
             config = one_backend(tmp_path, backend)
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 echo.unhealthy.add("s2")
                 await _wait_status(haproxy.api, "s2", "DOWN")
-                assert await where(http, url(config), 6) == {"s1": 6}
+                assert await where(http, url(haproxy), 6) == {"s1": 6}
                 echo.unhealthy.clear()
                 await _wait_status(haproxy.api, "s2", "UP")
-                assert set(await where(http, url(config), 6)) == {"s1", "s2"}
+                assert set(await where(http, url(haproxy), 6)) == {"s1", "s2"}
 
     asyncio.run(scenario())
 
@@ -518,9 +542,9 @@ def test_runtime_api_sees_sessions_and_moves_traffic(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with EchoServers(["s1", "s2", "s3"]) as echo:
             config = one_backend(tmp_path, Backend("be", echo.servers()), stats_port=free_port())
-            async with running(config) as haproxy, aiohttp.ClientSession() as http:
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 api = haproxy.api
-                hold = asyncio.create_task(fetch(http, url(config, "/hold")))
+                hold = asyncio.create_task(fetch(http, url(haproxy, "/hold")))
                 await echo.wait_held(1)
                 (holder,) = [name for name, n in echo.held.items() if n]
                 rows = {s.svname: s for s in api.show_stat("be")}
@@ -529,9 +553,9 @@ def test_runtime_api_sees_sessions_and_moves_traffic(tmp_path: Path) -> None:
                 assert rows["BACKEND"].scur == 1 and rows["BACKEND"].type == "backend"
 
                 api.set_weight("be", "s1", 0)
-                assert set(await where(http, url(config), 12)) == {"s2", "s3"}
+                assert set(await where(http, url(haproxy), 12)) == {"s2", "s3"}
                 api.set_state("be", "s2", "drain")
-                assert await where(http, url(config), 6) == {"s3": 6}
+                assert await where(http, url(haproxy), 6) == {"s3": 6}
                 states = {s.server: s for s in api.show_servers_state("be")}
                 assert (states["s1"].uweight, states["s1"].iweight) == (0, 100)
                 assert [states[s].admin for s in ("s1", "s2", "s3")] == ["ready", "drain", "ready"]
@@ -539,7 +563,7 @@ def test_runtime_api_sees_sessions_and_moves_traffic(tmp_path: Path) -> None:
 
                 api.set_state("be", "s3", "maint")
                 api.set_state("be", "s2", "ready")
-                assert await where(http, url(config), 6) == {"s2": 6}
+                assert await where(http, url(haproxy), 6) == {"s2": 6}
                 assert {s.server: s.admin for s in api.show_servers_state("be")}["s3"] == "maint"
 
                 with pytest.raises(RuntimeApiError, match="No such server"):

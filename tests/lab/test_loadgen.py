@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from harness import haproxy_over
 
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
@@ -31,7 +32,7 @@ from gpubalance.lab.live.haproxy import (
     find_haproxy,
 )
 from gpubalance.lab.live.loadgen import LoadResult, send_all
-from gpubalance.lab.live.run import free_port
+from gpubalance.lab.live.ports import free_port
 from gpubalance.lab.workload import Request
 
 pytestmark = pytest.mark.timing
@@ -325,27 +326,23 @@ def test_through_haproxy_sticky_and_pooled_rejection(tmp_path: Path) -> None:
                 ),
                 run_dir=tmp_path,
             )
-            haproxy = HaproxyProcess(config)
+            async with haproxy_over(config) as haproxy:
 
-            async def release_after_two_rejections() -> None:
-                async with asyncio.timeout(20):
-                    while _row(haproxy, "be_b", "BACKEND").hrsp_5xx != 2:
-                        await asyncio.sleep(0.02)
-                pool.release.set()
+                async def release_after_two_rejections() -> None:
+                    async with asyncio.timeout(20):
+                        while _row(haproxy, "be_b", "BACKEND").hrsp_5xx != 2:
+                            await asyncio.sleep(0.02)
+                    pool.release.set()
 
-            await asyncio.to_thread(haproxy.start)
-            try:
                 result, _ = await asyncio.gather(
                     send_all(
                         interactive + batch,
-                        f"http://127.0.0.1:{config.frontends[0].port}",
+                        f"http://127.0.0.1:{haproxy.config.frontends[0].port}",
                         clock_origin=time.monotonic(),
                         cookie_for=lambda r: pinned.get(r.session or ""),
                     ),
                     release_after_two_rejections(),
                 )
-            finally:
-                await asyncio.to_thread(haproxy.stop)
             return result
 
     result = asyncio.run(scenario())
