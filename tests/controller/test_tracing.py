@@ -132,7 +132,7 @@ class _Collector:
 
     def __init__(self) -> None:
         self.requests: list[ExportTraceServiceRequest] = []
-        self.port = free_port()
+        self.port = 0  # the one it listens on, chosen as it binds
         self._runner: web.AppRunner | None = None
 
     async def _traces(self, request: web.Request) -> web.Response:
@@ -146,7 +146,8 @@ class _Collector:
         app.router.add_post("/v1/traces", self._traces)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
