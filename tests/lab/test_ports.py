@@ -107,13 +107,10 @@ def test_a_server_that_fails_otherwise_is_not_started_again(tmp_path: Path) -> N
 
 
 def test_a_server_never_ready_is_stopped(tmp_path: Path) -> None:
-    # listens, but answers every GET with 404: never ready
-    def command(address: str) -> list[str]:
-        return _python_server(address)
-
+    # listens, but answers every GET of a missing path with 404: never ready
     with pytest.raises(RuntimeError, match=r"not ready within 1 s"):
         start_server(
-            command, tmp_path / "server.log", ready_path="/nothing/here", timeout_seconds=1
+            _python_server, tmp_path / "server.log", ready_path="/nothing/here", timeout_seconds=1
         )
     assert not any(
         p.name().startswith("python") and "http.server" in " ".join(p.cmdline())
