@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gpubalance.children import signal_child
 from gpubalance.controller.haproxy import check_name
 from gpubalance.controller.supervisor import (
     MARK,
@@ -218,7 +219,7 @@ class SystemdSupervisor:
             async with asyncio.timeout(_TIMEOUT_SECONDS):
                 out, err = await process.communicate()
         except TimeoutError:
-            process.kill()
+            signal_child(process, signal.SIGKILL)
             await process.wait()
             raise self._failed(args, None, f"no answer in {_TIMEOUT_SECONDS:g} s") from None
         if process.returncode != 0:

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gpubalance.children import signal_child
+
 DEFAULT_EXPORTER_LISTEN = "127.0.0.1:9450"  # the exporter's own default is every interface
 DEFAULT_ANALYZER_LISTEN = "127.0.0.1:9451"
 DEFAULT_CONTROLLER_LISTEN = "127.0.0.1:9470"
@@ -347,8 +349,7 @@ async def _stop_all(parts: Sequence[Part]) -> int:
     for part in reversed(parts):
         process = part.process
         if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
+            signal_child(process, signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), STOP_TIMEOUT_SECONDS)
             except TimeoutError:
@@ -357,7 +358,7 @@ async def _stop_all(parts: Sequence[Part]) -> int:
                     f"{STOP_TIMEOUT_SECONDS:.0f} s of SIGTERM; killing it",
                     file=sys.stderr,
                 )
-                process.kill()
+                signal_child(process, signal.SIGKILL)
                 await process.wait()
                 code = 1
             else:

@@ -28,6 +28,7 @@ from aiohttp import web
 from harness import EchoServers, haproxy_over
 from pydantic import TypeAdapter
 
+from gpubalance.children import signal_child
 from gpubalance.controller.analyzer_client import AnalyzerClient
 from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.haproxy import RuntimeApi
@@ -206,8 +207,7 @@ async def start_command(*args: str, env: Mapping[str, str] = {}) -> asyncio.subp
 
 async def stop_command(process: asyncio.subprocess.Process) -> bytes:
     """SIGTERM (unless it exited) and its stderr once it has."""
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
+    signal_child(process, signal.SIGTERM)
     async with asyncio.timeout(30):
         _, err = await process.communicate()
     return err

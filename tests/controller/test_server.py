@@ -34,6 +34,7 @@ from controller_harness import (
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter
 
+from gpubalance.children import signal_child
 from gpubalance.cli import main
 from gpubalance.controller.analyzer_client import AnalyzerError, parse_recommendations
 from gpubalance.controller.loop import Controller
@@ -308,7 +309,7 @@ def test_killed_mid_drain_a_restarted_controller_finishes_it_without_repeating(
                         ):
                             await asyncio.sleep(0.02)
                 finally:
-                    first.kill()
+                    signal_child(first, signal.SIGKILL)
                     await stop_command(first)
                 assert first.returncode == -signal.SIGKILL
                 backends.release.set()
