@@ -21,7 +21,9 @@ Figures (all over held-out runs):
   be healthy, :data:`BALANCED_RUNS`): each stretch of consecutive windows in which a GPU's
   verdict names one alarm state (starved or overloaded) is one alarm, false when the truth
   names that state in none of its windows nor within :data:`ALARM_TOLERANCE_WINDOWS` of it,
-  over the GPU-time whose truth is balanced;
+  over the GPU-time whose truth is balanced, counted in the held-out balanced runs and in a
+  soak of :data:`SOAK_GPU_HOURS` more (later variants of :data:`SOAK_FAMILY`, judged by the
+  fold that held it out), with the rate's 95 % upper bound;
 - **recommendation prediction error** (predicted against realised ρ once the lab applies a
   recommendation, ``gpubalance.lab.apply``);
 - beside the classifiers, the **ground truth one window late** (:func:`late_labels`): what the
@@ -69,6 +71,13 @@ JUDGES = (OURS, QUEUE, THRESHOLD)
 BALANCED_RUNS = frozenset(
     {"balanced-pool", "balanced-4x4090", "balanced-heterogeneous", "steady-4gpu-40rps"}
 )
+# the false-alarm figure is also measured over this much more balanced GPU-time: one alarm
+# in the held-out balanced runs alone (a few GPU-hours) reads several per GPU-day, so the
+# target of at most one could only be shown by raising none; over 3 GPU-days, none raised
+# bounds the rate below 1 per GPU-day with 95 % confidence (and the runs take about a minute)
+SOAK_GPU_HOURS = 72.0
+SOAK_FAMILY = "balanced-pool"
+SOAK_RUN_SECONDS = 1800.0
 # a truth change this many windows after an event or less is the event's doing: queues take a
 # few windows to build after a throttle, a crash or a weight change
 EVENT_REACH_WINDOWS = 4
@@ -108,6 +117,8 @@ class Evaluation:
     settings: Mapping[str, Any]
     data: Mapping[str, Any]  # train.describe of the generated dataset
     generated: tuple[RunVerdicts, ...]  # each judged by the fold that held its family out
+    # more balanced runs for the false-alarm figure alone, judged as the generated ones
+    soak: tuple[RunVerdicts, ...]
     shipped: tuple[RunVerdicts, ...]  # judged by the model fitted on every generated run
     recommendations: Mapping[str, Any]  # figures, or {"unavailable": why}
     wall_seconds: float
@@ -139,6 +150,37 @@ def generated_examples(
                 )
             )
     return examples
+
+
+def soak_examples(
+    count: int, seed: int, gpu_hours: float, run_seconds: float = SOAK_RUN_SECONDS
+) -> list[Example]:
+    """Variants of :data:`SOAK_FAMILY` past the ``count`` the evaluation trains and judges
+    (the same draw, later variants: new runs), each ``run_seconds`` long, until their GPUs
+    times their duration reach ``gpu_hours``."""
+    from gpubalance.lab import generate
+
+    examples: list[Example] = []
+    hours = 0.0
+    if gpu_hours <= 0:
+        return examples
+    for index, variant in enumerate(generate.each(SOAK_FAMILY, 1_000_000, seed, run_seconds)):
+        if index < count:
+            continue
+        gpus = sum(int(g.get("count", 1)) for g in variant.document["hardware"]["gpus"])
+        examples.append(
+            Example(
+                variant.family,
+                f"soak-{variant.name}",
+                variant.document,
+                int(variant.document.get("seed", 1)),
+                run_seconds,
+            )
+        )
+        hours += gpus * run_seconds / 3600
+        if hours >= gpu_hours:
+            return examples
+    raise AssertionError("unreachable: the draw is unbounded")  # pragma: no cover
 
 
 def shipped_examples(duration_seconds: float | None = None) -> list[Example]:
@@ -224,6 +266,8 @@ def evaluate(
     duration_seconds: float | None = None,
     shipped: bool = True,
     recommendations: bool = True,
+    soak_gpu_hours: float = SOAK_GPU_HOURS,
+    soak_run_seconds: float = SOAK_RUN_SECONDS,
     jobs: int = 1,
     stage: Stage | None = None,
     make: Callable[[], GpuStateClassifier] | None = None,
@@ -249,6 +293,21 @@ def evaluate(
             generated.append(_judge(by_name[run], part, models[family]))
             if advance is not None:
                 advance(1)
+    soak_list = soak_examples(count, seed, soak_gpu_hours, soak_run_seconds)
+    soak_runs: list[RunVerdicts] = []
+    if soak_list:
+        soak_data = train.build_dataset(
+            soak_list,
+            workers=jobs,
+            progress=_stage(stage, "running balanced soak", len(soak_list)),
+        )
+        # judged by the fold that held the family out, as its other runs are
+        judge = models.get(SOAK_FAMILY, final)
+        names = np.asarray(soak_data.runs)
+        for example in soak_list:
+            part = soak_data.subset(names == example.name)
+            if len(part):
+                soak_runs.append(_judge(example, part, judge))
     shipped_runs: list[RunVerdicts] = []
     if shipped:
         shipped_list = shipped_examples(duration_seconds)
@@ -274,11 +333,14 @@ def evaluate(
         "duration_seconds": duration_seconds,
         "jobs": jobs,
         "event_reach_windows": EVENT_REACH_WINDOWS,
+        "soak_gpu_hours": soak_gpu_hours,
+        "soak_run_seconds": soak_run_seconds,
     }
     return Evaluation(
         settings=settings,
         data=train.describe(dataset),
         generated=tuple(generated),
+        soak=tuple(soak_runs),
         shipped=tuple(shipped_runs),
         recommendations=recommended,
         wall_seconds=time.perf_counter() - started,
@@ -470,6 +532,35 @@ def false_alarms(run: RunVerdicts, judge: str) -> tuple[int, float]:
     return alarms, balanced_windows * run.window_seconds / SECONDS_PER_DAY
 
 
+def false_alarm_totals(runs: Sequence[RunVerdicts], judge: str) -> tuple[int, float]:
+    """False alarms over the balanced ones of ``runs``, and their GPU-days of balanced truth."""
+    alarms, days = 0, 0.0
+    for run in runs:
+        if run.balanced_run:
+            a, d = false_alarms(run, judge)
+            alarms, days = alarms + a, days + d
+    return alarms, days
+
+
+def rate_upper_bound(count: int, exposure: float, confidence: float = 0.95) -> float:
+    """The one-sided upper confidence bound of a Poisson rate seen ``count`` times over
+    ``exposure`` (exact: the rate at which ``count`` or fewer happen with probability
+    1 - ``confidence``)."""
+
+    def at_most(rate: float) -> float:
+        term = total = math.exp(-rate)
+        for k in range(1, count + 1):
+            term *= rate / k
+            total += term
+        return total
+
+    low, high = 0.0, count + 10.0 * math.sqrt(count + 1) + 10.0
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if at_most(middle) > 1 - confidence else (low, middle)
+    return high / exposure
+
+
 def _unfounded(timeline: Mapping[int, tuple[str, str]], stretch: Sequence[int]) -> bool:
     """Whether the truth names the stretch's alarm state nowhere near it."""
     state = timeline[stretch[0]][1]
@@ -477,19 +568,18 @@ def _unfounded(timeline: Mapping[int, tuple[str, str]], stretch: Sequence[int]) 
     return not any(w in timeline and timeline[w][0] == state for w in reach)
 
 
-def summary(runs: Sequence[RunVerdicts], judge: str) -> dict[str, Any]:
-    """The headline figures of one judge over ``runs``."""
+def summary(
+    runs: Sequence[RunVerdicts], judge: str, soak: Sequence[RunVerdicts] = ()
+) -> dict[str, Any]:
+    """The headline figures of one judge over ``runs``; the false alarms over the balanced
+    ones of ``runs`` and over ``soak``."""
     scored = run_scores(runs, judge)
     delays = [d for r in runs for d in detection_delays(r, judge)]
     found = [d for d in delays if d is not None]
     # a missed change counts as later than any: a verdict that misses most changes has no
     # median delay, however fast it names the few it sees
     ranked = sorted(float(d) for d in found) + [math.inf] * (len(delays) - len(found))
-    alarms, days = 0, 0.0
-    for run in runs:
-        if run.balanced_run:
-            a, d = false_alarms(run, judge)
-            alarms, days = alarms + a, days + d
+    alarms, days = false_alarm_totals((*runs, *soak), judge)
     return {
         **scored,
         "events": len(delays),
@@ -650,9 +740,9 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
         "| events | missed | false alarms / GPU-day | unknown |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    runs = evaluation.generated
+    runs, soak = evaluation.generated, evaluation.soak
     for judge in (OURS, RAW, LATE, QUEUE, THRESHOLD):
-        m = summary(runs, judge)
+        m = summary(runs, judge, soak)
         raw = judge == RAW
         lines.append(
             f"| {judge} | {_f(m['state_macro_f1'])} | {_f(m['cause_accuracy'])} | "
@@ -664,7 +754,7 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
             )
             + f"{m['unknown_share'] * 100:.1f} % |"
         )
-    ours = summary(runs, OURS)
+    ours = summary(runs, OURS, soak)
     lines += [
         f"| target (issue 8) | ≥ {TARGETS['state_macro_f1']} | ≥ {TARGETS['cause_accuracy']} | "
         f"≤ {TARGETS['median_delay_windows']:g} | | | | ≤ {TARGETS['false_alarms_per_gpu_day']:g} "
@@ -684,7 +774,13 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
             ]
         )
         + f". False alarms over {ours['balanced_gpu_days'] * 24:.1f} GPU-hours of balanced "
-        f"truth in the balanced runs ({', '.join(sorted(BALANCED_RUNS))}): a stretch of "
+        f"truth in the held-out balanced runs ({', '.join(sorted(BALANCED_RUNS))})"
+        + (
+            f" and {len(soak)} more {SOAK_FAMILY} variants of {s['soak_run_seconds']:g} s (below)"
+            if soak
+            else ""
+        )
+        + ": a stretch of "
         "starved or overloaded verdicts whose state the truth names in none of its windows "
         f"nor within {ALARM_TOLERANCE_WINDOWS} window of it; delays over {ours['events']} "
         f"truth changes within {EVENT_REACH_WINDOWS} windows of an injected event.",
@@ -740,9 +836,37 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
         lines += ["", "## Confusion matrix (`gpubalance`, held out)", "", figures["confusion"]]
     if "families" in figures:
         lines += ["", figures["families"]]
+    lines += _soak_lines(soak, s)
     lines += _shipped_lines(evaluation.shipped)
     lines += _recommendation_lines(evaluation.recommendations)
     return "\n".join(lines) + "\n"
+
+
+def _soak_lines(soak: Sequence[RunVerdicts], settings: Mapping[str, Any]) -> list[str]:
+    if not soak:
+        return []
+    lines = [
+        "",
+        "## False alarms over more balanced GPU-time",
+        "",
+        f"{len(soak)} more `{SOAK_FAMILY}` variants (the same draw past the {settings['count']} "
+        f"above: new runs), {settings['soak_run_seconds']:g} s each, judged by the fold that "
+        f"held `{SOAK_FAMILY}` out; their own incidents (a disk or CPU event a variant draws) "
+        "are in the truth and found alarms are not false. The headline counts these with the "
+        "held-out balanced runs.",
+        "",
+        "| classifier | GPU-hours of balanced truth | false alarms | per GPU-day | "
+        "95 % upper bound |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for judge in JUDGES:
+        alarms, days = false_alarm_totals(soak, judge)
+        bound = rate_upper_bound(alarms, days) if days else None
+        lines.append(
+            f"| {judge} | {days * 24:.1f} | {alarms} | {_f(alarms / days if days else None)} | "
+            f"{_f(bound)} |"
+        )
+    return lines
 
 
 def _shipped_lines(runs: Sequence[RunVerdicts]) -> list[str]:

@@ -18,6 +18,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def hours(text: str) -> float:
+    """A number of hours, 0 or more (finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of hours, 0 or more, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count: an integer of 1 or more."""
     try:

@@ -101,6 +101,25 @@ def test_the_truth_one_window_late_says_each_gpus_window_before() -> None:
     )
 
 
+def test_the_false_alarm_rate_bound_is_the_exact_poisson_one() -> None:
+    # chi-square quantiles: chi2.ppf(0.95, 2k + 2) / 2 for k = 0, 1, 5
+    for count, bound in ((0, 2.9957), (1, 4.7439), (5, 10.5130)):
+        assert evaluate.rate_upper_bound(count, 1.0) == pytest.approx(bound, abs=1e-3)
+    assert evaluate.rate_upper_bound(0, 3.0) < 1.0  # 3 GPU-days without an alarm show <= 1
+    assert evaluate.rate_upper_bound(0, 2.9) > 1.0
+
+
+def test_the_soak_is_later_variants_until_the_gpu_time_asked() -> None:
+    assert evaluate.soak_examples(8, 1, 0.0) == []
+    soak = evaluate.soak_examples(8, 1, 10.0, 600.0)
+    judged = {e.name for e in evaluate.generated_examples([evaluate.SOAK_FAMILY], 8, 1)}
+    assert soak and not {e.name.removeprefix("soak-") for e in soak} & judged
+    gpus = [sum(g.get("count", 1) for g in e.document["hardware"]["gpus"]) for e in soak]
+    hours = [n * 600 / 3600 for n in gpus]
+    assert sum(hours) >= 10.0 > sum(hours[:-1])  # stops at the first run that reaches it
+    assert {e.duration_seconds for e in soak} == {600.0}
+
+
 def test_an_unknown_family_is_named() -> None:
     with pytest.raises(ValueError, match="no-such-family"):
         evaluate.family_list("balanced-pool,no-such-family")
@@ -118,6 +137,8 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         1,
         duration_seconds=300,
         shipped=False,
+        soak_gpu_hours=0.5,
+        soak_run_seconds=300,
         jobs=1,
         make=lambda: evaluate.GpuStateClassifier(max_iter=20),
     )
@@ -127,6 +148,16 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW, evaluate.LATE}
         assert run.said[evaluate.LATE] == evaluate.late_labels(run.keys, run.truth)
         assert all(len(labels) == len(run.truth) for labels in run.said.values())
+    # balanced runs past the judged ones, until their GPU-time reaches what was asked
+    assert result.soak and {r.family for r in result.soak} == {evaluate.SOAK_FAMILY}
+    soak_hours = sum(len(r.truth) for r in result.soak) * 30 / 3600  # windows of 30 s
+    assert 0.4 < soak_hours < 0.5 + 8 * 300 / 3600  # the last run is whole (at most 8 GPUs)
+    assert not {r.name for r in result.soak} & {r.name for r in result.generated}
+    for run in result.soak:
+        assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW, evaluate.LATE}
+    both = evaluate.summary(result.generated, evaluate.OURS, result.soak)
+    alone = evaluate.summary(result.generated, evaluate.OURS)
+    assert both["balanced_gpu_days"] > alone["balanced_gpu_days"]
     # the lab applied what was recommended, if anything, and measured it
     assert "unavailable" not in result.recommendations, result.recommendations
     evaluate.write_report(result, report, "gpubalance analyzer evaluate --count 1")
@@ -143,6 +174,7 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         "`weighted-skew`",
         "evaluation-confusion.png",
         "Recommendation prediction error",
+        "## False alarms over more balanced GPU-time",
     ):
         assert needle in text
     # the error taken apart, where the lab applied something

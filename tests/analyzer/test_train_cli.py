@@ -71,6 +71,15 @@ def test_bad_options_are_named(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("hours", ["-1", "nan", "many"])
+def test_a_bad_soak_is_named(hours: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["analyzer", "evaluate", "--soak-hours", hours])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--soak-hours" in err and "expected a number of hours, 0 or more" in err
+
+
 def test_too_little_data_is_said_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
