@@ -162,12 +162,11 @@ def soak_examples(
 
     examples: list[Example] = []
     hours = 0.0
-    if gpu_hours <= 0:
-        return examples
-    for index, variant in enumerate(generate.each(SOAK_FAMILY, 1_000_000, seed, run_seconds)):
-        if index < count:
-            continue
-        gpus = sum(int(g.get("count", 1)) for g in variant.document["hardware"]["gpus"])
+    index = count
+    while hours < gpu_hours:
+        variant = generate.variant(SOAK_FAMILY, seed, index, run_seconds)
+        index += 1
+        gpus = len(generate.plan_of(variant.document, variant.name).gpus)
         examples.append(
             Example(
                 variant.family,
@@ -178,9 +177,7 @@ def soak_examples(
             )
         )
         hours += gpus * run_seconds / 3600
-        if hours >= gpu_hours:
-            return examples
-    raise AssertionError("unreachable: the draw is unbounded")  # pragma: no cover
+    return examples
 
 
 def shipped_examples(duration_seconds: float | None = None) -> list[Example]:

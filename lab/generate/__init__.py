@@ -97,13 +97,29 @@ def each(
     names = family_names(family)
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
+    _check(seed, duration_seconds)
+    for name in names:
+        for index in range(count):
+            yield _variant(name, seed, index, duration_seconds)
+
+
+def variant(family: str, seed: int, index: int, duration_seconds: float | None = None) -> Variant:
+    """Variant ``index`` (from 0) of one family for ``seed``: the one :func:`each` gives at
+    that index, whatever its count."""
+    if family == "all":
+        raise ValueError("a variant is of one family, not of all")
+    (name,) = family_names(family)
+    if index < 0:
+        raise ValueError(f"index must be 0 or more, got {index}")
+    _check(seed, duration_seconds)
+    return _variant(name, seed, index, duration_seconds)
+
+
+def _check(seed: int, duration_seconds: float | None) -> None:
     if seed < 0:
         raise ValueError(f"seed must be 0 or more, got {seed}")
     if duration_seconds is not None and not duration_seconds > 0:
         raise ValueError(f"duration_seconds must be above 0, got {duration_seconds}")
-    for name in names:
-        for index in range(count):
-            yield _variant(name, seed, index, duration_seconds)
 
 
 def family_names(family: str) -> list[str]:

@@ -80,6 +80,10 @@ def test_the_same_seed_gives_the_same_bytes_whatever_the_count(
     first = {v.name: v.text() for v in short}
     for variant in again:
         assert variant.text() == first[variant.name]
+    # one variant alone, by its index
+    for v in short:
+        index = int(v.name.rpartition("-")[2])
+        assert generate.variant(v.family, SEED, index, SHORT_SECONDS).text() == v.text()
 
 
 def test_different_seeds_and_indices_give_different_scenarios(
@@ -117,6 +121,23 @@ def test_bad_arguments_to_the_api_name_what_is_wrong(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         generate.variants(family, count, seed, duration)
+
+
+@pytest.mark.parametrize(
+    ("family", "index", "seed", "duration", "message"),
+    [
+        ("all", 0, 1, None, "a variant is of one family, not of all"),
+        ("nope", 0, 1, None, "unknown family 'nope'"),
+        ("kv-tight", -1, 1, None, "index must be 0 or more"),
+        ("kv-tight", 0, -1, None, "seed must be 0 or more"),
+        ("kv-tight", 0, 1, 0.0, "duration_seconds must be above 0"),
+    ],
+)
+def test_bad_arguments_to_one_variant_name_what_is_wrong(
+    family: str, index: int, seed: int, duration: float | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate.variant(family, seed, index, duration)
 
 
 # -- what the families produce --------------------------------------------------------------------
