@@ -1,27 +1,27 @@
 """Capacity: what each GPU can serve, what it is offered, and ρ, from telemetry alone.
 
 A GPU's **capacity** is its service rate in completions per second when work never runs out,
-in the pool it serves now (a GPU moved from another pool ran another model there): measured
-in the windows in which its queue holds work all along and it is busy (``queue
-batches`` ≥ ``saturated_queue_batches``, by default half a batch on average, the features'
-``QUEUED_BATCHES``; utilization ≥ ``saturated_utilization_ratio``); then it serves without
-pause, and what it completes is what it can, or a little under where its batches run short of
-full (its ρ then errs high: weights move less work to it, not more). A GPU with few such
-windows is shrunk toward the GPUs of the same card in its pool (``prior_windows`` windows'
-worth of the peers' figure); one with none takes its peers' figure, else what its card's full
-batches cost it (``fitted``: the features' line through its card's batch times against their
-sizes, as ``rho_fitted_ratio`` reads it; never below its busy rate), else its own best rate per
-busy second (completions over utilization), a lower bound: partial batches serve fewer requests
-per busy second than full ones, so that GPU's ρ is an upper bound (``measured`` is False).
-Where none exists the capacity is None: the telemetry cannot say.
-
+in the pool it serves now (a GPU moved from another pool ran another model there), in the
+batches its pool can run: measured in the windows in which its queue holds work all along and
+it is busy (``queue batches`` ≥ ``saturated_queue_batches``, by default half a batch on
+average, the features' ``QUEUED_BATCHES``; utilization ≥ ``saturated_utilization_ratio``);
+then it serves without pause, and what it completes is what it can at the batches it ran.
 Half a small batch waiting keeps a GPU busy too, and a batching GPU serves more per second in
-larger batches: one that ran short batches with work waiting (a pool after a quiet spell)
-serves more when more load comes. ``full_batches_per_second`` is the capacity the same way from
-its saturated windows scaled up to the batches its pool can run (its configured limit, else the
-largest its pool ran; no more than its KV cache holds) along the line through its card's batch
-times against their sizes (the features' :func:`full_batch_cost`): what a pool can serve before
-it needs another GPU. ρ and the weights stay at the batches run (the line extrapolates).
+larger batches: one that runs short batches back to back (work arrives about as fast as it
+is served, a pool after a quiet spell) is busy all the time yet has room, and reads ρ near 1
+at the batches it runs whatever its headroom. So what it served is scaled up to the batches
+its pool can run (the features' :func:`batch_reach`: its configured limit, else the largest
+its pool ran; no more than its KV cache holds) along its card's batch times against their
+sizes (the features' :func:`full_batch_cost`). A GPU with few such windows is shrunk toward
+the GPUs of the same card in its pool (``prior_windows`` windows' worth of the peers' figure);
+one with none takes its peers' figure, else what its card's full batches cost it (``fitted``:
+the features' fit of its card's batch times against their sizes, as ``rho_fitted_ratio``
+reads it, where those sizes spread; never below its busy rate). Where they do not, the fit is
+the exponent's prior alone (``prior``), and where there is no batch figure either, its own
+best rate per busy second (``busy_rate``: completions over utilization): both guesses, not
+measures (``measured`` is False), the busy rate a lower bound (partial batches serve fewer
+requests per busy second than full ones, so that GPU's ρ is an upper bound). Where none
+exists the capacity is None: the telemetry cannot say.
 
 The **offered** load of a GPU is what arrived for it: its completions, plus its KV allocation
 failures (work that came and failed), plus the growth of its queue, per second, over the
@@ -44,14 +44,22 @@ from typing import Literal
 
 import numpy as np
 
-from gpubalance.analyzer.features import QUEUED_BATCHES, FeatureTable, full_batch_cost
+from gpubalance.analyzer.features import (
+    QUEUED_BATCHES,
+    FeatureTable,
+    batch_reach,
+    full_batch_cost,
+)
 from gpubalance.analyzer.frames import GpuFrame
 
-CapacitySource = Literal["saturated", "shrunk", "peers", "fitted", "busy_rate", "none"]
+CapacitySource = Literal["saturated", "shrunk", "peers", "fitted", "prior", "busy_rate", "none"]
 # saturated windows a GPU needs before its capacity counts as measured rather than guessed
 MEASURED_WINDOWS = 3
-# the KV cache share a batch can fill before the server stops adding requests to it
-KV_FULL_RATIO = 0.95
+# a card's batch times measure how they grow with its batch size (its fit is "fitted", not
+# the exponent's "prior") with this many windows whose sizes spread this much (their
+# coefficient of variation)
+FIT_WINDOWS = 4
+FIT_SPREAD_RATIO = 0.15
 
 
 def pool_of(frame: GpuFrame) -> str:
@@ -68,15 +76,12 @@ class GpuCapacity:
     uuid: str
     card: str | None
     pool: str
-    capacity_per_second: float | None  # completions/s with work always waiting
+    capacity_per_second: float | None  # completions/s with work always waiting, full batches
     source: CapacitySource  # where the capacity came from
     saturated_windows: int  # windows of its own the capacity was measured in
     offered_per_second: float | None  # completions + failures + queue growth, recent windows
     t_end: float  # the end of its latest window
     queue_depth: float | None = None  # requests waiting at it, mean over its latest window
-    # its capacity at the batches its pool can run (its configured limit, its KV cache's
-    # room), where it ran short of them with work waiting: what more load would get from it
-    full_batches_per_second: float | None = None
 
     @property
     def rho(self) -> float | None:
@@ -98,6 +103,7 @@ class GpuCapacity:
             "shrunk": 0.5 + 0.5 * min(1.0, self.saturated_windows / MEASURED_WINDOWS),
             "peers": 0.6,
             "fitted": 0.5,
+            "prior": 0.4,
             "busy_rate": 0.3,
             "none": 0.0,
         }[self.source]
@@ -138,12 +144,10 @@ class CapacityModel:
         own: dict[tuple[str, str], list[float]] = {}
         busy_rate: dict[tuple[str, str], float] = {}
         fitted: dict[tuple[str, str], float] = {}
+        prior: dict[tuple[str, str], float] = {}
         latest: dict[tuple[str, str], GpuFrame] = {}
         offered: dict[tuple[str, str], float | None] = {}
         full_clock: dict[tuple[str, str], list[float]] = {}
-        # the same at the batches the GPU's pool can run
-        own_full: dict[tuple[str, str], list[float]] = {}
-        full_clock_full: dict[tuple[str, str], list[float]] = {}
         throttled: dict[tuple[str, str], bool] = {}
         pools: dict[tuple[str, str], str] = {}
         for key, indices in rows.items():
@@ -175,9 +179,11 @@ class CapacityModel:
                 and (table.frames[i].utilization_mean_ratio or 0.0)
                 >= self.saturated_utilization_ratio
             ][-self.history_windows :]
-            # what each served (at the batches it ran), and at the batches its pool can run
-            served = {i: table.frames[i].completions_per_second or 0.0 for i in saturated}
-            at_full = {i: lines.scaled(table.frames[i], served[i]) for i in saturated}
+            # what each served at the batches it ran, scaled to the batches its pool can run
+            served = {
+                i: lines.scaled(table.frames[i], table.frames[i].completions_per_second or 0.0)
+                for i in saturated
+            }
             # its capacity at the clock it runs at now: a throttle lowers it, a lifted one
             # restores it; only its full-clock windows speak for its card
             now_throttled = bool(live) and _throttled(table.frames[live[-1]])
@@ -185,9 +191,7 @@ class CapacityModel:
             mine = [i for i in saturated if _throttled(table.frames[i]) == now_throttled]
             full = [i for i in saturated if not _throttled(table.frames[i])]
             own[key] = [served[i] for i in mine]
-            own_full[key] = [at_full[i] for i in mine]
             full_clock[key] = [served[i] for i in full]
-            full_clock_full[key] = [at_full[i] for i in full]
             rates = [
                 f.completions_per_second / f.utilization_mean_ratio
                 for f in (table.frames[i] for i in live)
@@ -207,25 +211,23 @@ class CapacityModel:
                 and _throttled(f) == now_throttled
             ]
             if at_full_batches:
-                fitted[key] = statistics.median(at_full_batches)
+                which = fitted if lines.spread(table.frames[indices[-1]]) else prior
+                which[key] = statistics.median(at_full_batches)
             latest[key] = table.frames[indices[-1]]
             offered[key] = self._offered([table.frames[i] for i in indices])
         # the same card in the same pool: the same model on the same silicon
         by_card = _by_card(full_clock, latest, pools)
-        by_card_full = _by_card(full_clock_full, latest, pools)
         self.gpus_: dict[tuple[str, str], GpuCapacity] = {}
         for key, frame in latest.items():
             group = (frame.host, pools[key], frame.card)
             # a throttled card is not its full-clock peers: only its own windows speak for it
-            peers, peers_full = (
+            peers = (
                 []
                 if throttled[key]
-                else [v for other, v in cards.get(group, {}).items() if other != key]
-                for cards in (by_card, by_card_full)
+                else [v for other, v in by_card.get(group, {}).items() if other != key]
             )
-            capacity, source = self._capacity(own[key], peers, fitted.get(key), busy_rate.get(key))
-            at_full, _ = self._capacity(
-                own_full[key], peers_full, fitted.get(key), busy_rate.get(key)
+            capacity, source = self._capacity(
+                own[key], peers, fitted.get(key), prior.get(key), busy_rate.get(key)
             )
             self.gpus_[key] = GpuCapacity(
                 host=frame.host,
@@ -239,7 +241,6 @@ class CapacityModel:
                 offered_per_second=offered[key],
                 t_end=frame.t_end,
                 queue_depth=frame.queue_depth_mean if _live(frame) else None,
-                full_batches_per_second=at_full,
             )
         return self
 
@@ -248,6 +249,7 @@ class CapacityModel:
         mine: list[float],
         peers: list[float],
         fitted: float | None,
+        prior: float | None,
         busy_rate: float | None,
     ) -> tuple[float | None, CapacitySource]:
         if mine and len(mine) >= MEASURED_WINDOWS:
@@ -265,6 +267,8 @@ class CapacityModel:
         if fitted:
             # never below what it has served per busy second
             return max(fitted, busy_rate or 0.0), "fitted"
+        if prior:
+            return max(prior, busy_rate or 0.0), "prior"
         if busy_rate:
             return busy_rate, "busy_rate"
         return None, "none"
@@ -361,8 +365,8 @@ def _by_card(
 
 
 class _BatchLines:
-    """Per host, pool and card: the line through its GPUs' batch times against their sizes
-    (the features' :func:`full_batch_cost`), and the largest batch the pool ran."""
+    """Per host, pool and card: its GPUs' batch times against their sizes (what the features'
+    :func:`full_batch_cost` fits), and the largest batch the pool ran."""
 
     def __init__(
         self,
@@ -387,26 +391,39 @@ class _BatchLines:
         self.points = {k: np.array(v, dtype=float) for k, v in points.items()}
         self.pools = pools
 
+    def spread(self, frame: GpuFrame) -> bool:
+        """Whether the batch sizes of the GPU's card in its pool spread enough for its batch
+        times to say how they grow (``FIT_WINDOWS``, ``FIT_SPREAD_RATIO``)."""
+        pool = (frame.host, self.pools[(frame.host, frame.uuid)])
+        points = self.points.get((*pool, frame.card))
+        if points is None or len(points) < FIT_WINDOWS:
+            return False
+        sizes = points[:, 0]
+        return bool(sizes.std() > FIT_SPREAD_RATIO * sizes.mean())
+
     def scaled(self, frame: GpuFrame, served: float) -> float:
         """What the GPU would serve of a window's work at the batches its pool can run,
         having served ``served`` per second at the window's: a batching GPU serves more per
-        second in larger batches, so one that ran short ones (its queue was half a small
-        batch) served under what more load would get from it. The largest batch it can run is
-        its configured limit (else the largest its pool ran), and no more than its KV cache
-        holds (at the window's usage per request); the line through its card's batch times
-        prices both."""
+        second in larger batches, so one that ran short ones served under what more load
+        would get from it. The largest batch it can run is the features' :func:`batch_reach`
+        (its configured limit, else the largest its pool ran; no more than its KV cache
+        holds); its card's batch times price it."""
         size = frame.batch_size_mean
         pool = (frame.host, self.pools[(frame.host, frame.uuid)])
         points = self.points.get((*pool, frame.card))
         if not size or points is None:
             return served
-        reach = frame.max_batch_size or self.largest.get(pool, size)
-        if frame.kv_cache_usage_ratio:
-            reach = min(reach, size * KV_FULL_RATIO / frame.kv_cache_usage_ratio)
+        reach = float(
+            batch_reach(
+                np.float64(size),
+                np.float64(self.largest.get(pool, size)),
+                np.float64(frame.max_batch_size or math.nan),
+                np.float64(frame.kv_cache_usage_ratio or math.nan),
+            )
+        )
         if reach <= size:
             return served
-        with np.errstate(divide="ignore", invalid="ignore"):  # no spread: no line, NaN
-            cost = full_batch_cost(np.stack([points, points]), np.array([size, reach]))
+        cost = full_batch_cost(np.stack([points, points]), np.array([size, reach]))
         if not np.isfinite(cost).all() or cost[1] <= 0:
             return served
         return served * max(1.0, float(cost[0] / cost[1]))

@@ -29,6 +29,16 @@ QUEUED_BATCHES = 0.5
 HISTORY_WINDOWS = 20
 # how many (batch size, batch time) points of one card on one pool the batch-time fit keeps
 BATCH_POINTS = 60
+# a batch's time grows as its size to this power where the sizes seen do not tell: prefill
+# grows with the batch, a decode step hardly does, and a batch decodes until its longest
+# request is done; over batches of 1 to 64 the measured prefill and decode times
+# (lab/data, splitwise) give 0.4 to 0.8 for prompts of 256 to 4,096 tokens
+BATCH_TIME_EXPONENT = 0.5
+# how much spread of the sizes seen (the sum of squares of ln batch size about its mean)
+# weighs as much as that prior: about eight windows at 1.6 times or 1 / 1.6 of the mean size
+BATCH_TIME_PRIOR = 2.0
+# the KV cache share a batch can fill before the server stops adding requests to it
+KV_FULL_RATIO = 0.95
 
 COLUMNS: tuple[str, ...] = (
     "coverage_ratio",
@@ -137,6 +147,7 @@ _FIELDS: tuple[str, ...] = (
     "host_iowait_ratio",
     "class_duration_ratio",
     "kv_cache_usage_ratio",
+    "max_batch_size",
 )
 _NAN = math.nan
 
@@ -440,7 +451,9 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     current[group[by_group], in_group, 0] = np.where(point, size, _NAN)[by_group]
     current[group[by_group], in_group, 1] = c.point_seconds[index][by_group]
     points = np.concatenate([m.batch_points[batch], current], axis=1)
-    cost = full_batch_cost(points, largest[by_group][group_start])[group]
+    # priced at the largest batch any GPU of the card there can run
+    reach = batch_reach(size, largest, col("max_batch_size"), col("kv_cache_usage_ratio"))
+    cost = full_batch_cost(points, np.fmax.reduceat(reach[by_group], group_start))[group]
 
     live = c.live[index]
     utilization = np.where(live, col("utilization_mean_ratio"), _NAN)
@@ -668,27 +681,37 @@ def _in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
 
 
 def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
-    """GPU seconds per request at full batches, per row of (batch size, batch time) points
-    (NaN-padded), from a line T = a*b + c through the batch times T of batch sizes b: prefill
-    grows with the batch, a decode step hardly does, so a GPU running small batches back to
-    back can still have room for more. NaN where fewer than 4 points, or the batch sizes seen
-    do not spread enough to tell a from c."""
+    """GPU seconds per request in batches of ``largest``, per row of (batch size, batch time)
+    points (NaN-padded), from a power law T = c * b ** a through the batch times T of the
+    batch sizes b: prefill grows with the batch, a decode step hardly does, so a GPU running
+    small batches back to back can still have room for more. The exponent a is the least
+    squares slope of ln T on ln b shrunk toward ``BATCH_TIME_EXPONENT`` (a ridge of weight
+    ``BATCH_TIME_PRIOR``), so sizes that spread little say little, and is kept within [0, 1]:
+    a larger batch never takes less time, nor more per request. NaN where there is no point."""
     b, t = points[:, :, 0], points[:, :, 1]
-    known = ~np.isnan(b)
+    known = (b > 0) & (t > 0)  # a NaN pad is neither
     n = np.count_nonzero(known, axis=1)
-    b0, t0 = np.where(known, b, 0.0), np.where(known, t, 0.0)
-    mean_b = b0.sum(axis=1) / n
-    mean_t = t0.sum(axis=1) / n
-    db = np.where(known, b - mean_b[:, None], 0.0)
-    dt = np.where(known, t - mean_t[:, None], 0.0)
-    var_b = (db * db).sum(axis=1) / n
-    slope = (db * dt).sum(axis=1) / n / var_b
-    intercept = mean_t - slope * mean_b
-    through_zero = (b0 * t0).sum(axis=1) / (b0 * b0).sum(axis=1)
-    negative = slope < 0
-    slope, intercept = (
-        np.where(negative, 0.0, np.where(intercept < 0, through_zero, slope)),
-        np.where(negative, mean_t, np.where(intercept < 0, 0.0, intercept)),
-    )
-    cost = (slope * largest + intercept) / largest
-    return np.where((n >= 4) & (var_b > (0.15 * mean_b) ** 2), cost, _NAN)
+    x = np.log(np.where(known, b, 1.0))
+    y = np.log(np.where(known, t, 1.0))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row without points: NaN
+        mean_x = x.sum(axis=1) / n
+        mean_y = y.sum(axis=1) / n
+        dx = np.where(known, x - mean_x[:, None], 0.0)
+        dy = np.where(known, y - mean_y[:, None], 0.0)
+        exponent = ((dx * dy).sum(axis=1) + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (
+            (dx * dx).sum(axis=1) + BATCH_TIME_PRIOR
+        )
+        exponent = np.clip(exponent, 0.0, 1.0)
+        cost = np.exp(mean_y + exponent * (np.log(largest) - mean_x)) / largest
+    return np.where(n > 0, cost, _NAN)
+
+
+def batch_reach(
+    size: np.ndarray, largest: np.ndarray, limit: np.ndarray, kv_usage: np.ndarray
+) -> np.ndarray:
+    """The largest batch a GPU can run, per row: its configured ``limit`` (NaN: unknown, then
+    the ``largest`` its pool ran), no more than its KV cache holds at the window's usage per
+    request (``kv_usage`` with batches of ``size``), never less than the batch it ran."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        room = np.where(kv_usage > 0, size * KV_FULL_RATIO / kv_usage, np.inf)
+    return np.fmax(np.fmin(np.where(np.isnan(limit), largest, limit), room), size)

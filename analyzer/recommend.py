@@ -32,10 +32,10 @@ And across the pools of a host:
   pool's ρ here is its latest
   window's offered load, or its trend where it rises (over the load time for the busy pool,
   the recommendation's horizon for the quiet one), over its GPUs' capacity: the 4-window
-  mean the other rules use lags a shifting demand by minutes. The busy pool's capacity is at
-  the batches it can run (``full_batches_per_second``): one that ran short batches after a
-  quiet spell serves more as its queue grows, before it needs another GPU. At most one per
-  host: a move changes both pools, and the next is judged on what it left.
+  mean the other rules use lags a shifting demand by minutes. Capacities are at the batches
+  a pool can run (the capacity model's): one that ran short batches after a quiet spell
+  serves more as its queue grows, before it needs another GPU. At most one per host: a move
+  changes both pools, and the next is judged on what it left.
 
 ``add_worker`` has a cost rank but no rule yet: the frames do not say which GPU has room for
 another model.
@@ -803,10 +803,9 @@ class _Move:
         if any(c.offered_per_second is None for c in gives):
             return None
         # a GPU serves what its pool's GPUs of its card serve (the median: a GPU measured over
-        # few windows, one just moved, is only bounded from below)
-        # the busy pool at the batches it can run: more load grows its batches before it
-        # needs another GPU
-        quiet_cards, busy_cards = _card_capacity(quiet), _card_capacity(busy, full_batches=True)
+        # few windows, one just moved, is only bounded from below), at the batches its pool
+        # can run: more load grows its batches before it needs another GPU
+        quiet_cards, busy_cards = _card_capacity(quiet), _card_capacity(busy)
         busy_load = demand[busy.pool].load(r.move_load_seconds)
         quiet_now = demand[quiet.pool].latest_per_second
         quiet_load = demand[quiet.pool].load(r.ttl_seconds)
@@ -881,7 +880,7 @@ class _Move:
                         g: round(cards[c.card], 4)
                         for p, cards in (
                             (quiet, _card_capacity(quiet)),
-                            (busy, _card_capacity(busy, full_batches=True)),
+                            (busy, _card_capacity(busy)),
                         )
                         for g, c in sorted(p.gpus.items())
                         if g != gpu
@@ -893,13 +892,11 @@ class _Move:
         )
 
 
-def _card_capacity(pool: _Pool, full_batches: bool = False) -> dict[str | None, float]:
-    """The median capacity of the pool's GPUs of each card; ``full_batches``: at the batches
-    the pool can run (a pool that ran short batches serves more before it needs a GPU)."""
+def _card_capacity(pool: _Pool) -> dict[str | None, float]:
+    """The median capacity of the pool's GPUs of each card."""
     by_card: dict[str | None, list[float]] = {}
     for c in pool.gpus.values():
-        figure = c.full_batches_per_second if full_batches else c.capacity_per_second
-        by_card.setdefault(c.card, []).append(figure or c.capacity_per_second or 0.0)
+        by_card.setdefault(c.card, []).append(c.capacity_per_second or 0.0)
     return {card: statistics.median(values) for card, values in by_card.items()}
 
 

@@ -3,11 +3,12 @@
 The ground truth calls a GPU overloaded at ρ ≥ 0.85 and starved below 0.30, ρ being the share
 of the window its work needs at full batches. The telemetry does not show ρ; the features
 estimate it three ways (`rho_fitted_ratio`: completions times the cost of a full batch from
-the card's batch-time line; `offered_rho_estimate_ratio`: completions and queue growth over a
-capacity from the GPU's or its card's best; `effective_utilization_ratio`: busy share times
-batch fill). This runs generated variants of every family at the fast speed and reports, per
-estimate, where it is known, its median ratio to the truth and its median absolute error, per
-family and per band of the truth's ρ: a verdict near a threshold can be no better than these.
+the power law through the card's batch times against their sizes, at the batches it can
+run; `offered_rho_estimate_ratio`: completions and queue growth over a capacity from the
+GPU's or its card's best; `effective_utilization_ratio`: busy share times batch fill). This
+runs generated variants of every family at the fast speed and reports, per estimate, where it
+is known, its median ratio to the truth and its median absolute error, per family and per band
+of the truth's ρ: a verdict near a threshold can be no better than these.
 
     python bench/rho_estimates.py --count 8 --seed 1 --jobs 2
 """

@@ -116,7 +116,8 @@ class ExpectedEffect:
     # the fitted capacity behind each GPU's ρ (completions per second with work always
     # waiting) and how it was measured: "saturated" (its own windows with a queue), "shrunk"
     # (a few of those, pulled toward its same-card peers), "peers" (its same-card peers'),
-    # "fitted" (its card's full-batch cost, from batch times against batch sizes),
+    # "fitted" (its card's full-batch cost, from batch times against batch sizes), "prior"
+    # (the same where its card's batch sizes did not spread: the batch-time exponent's prior),
     # "busy_rate" (its completions per busy second: a lower bound, so ρ is an upper one)
     capacity_per_second: Mapping[int, float] = field(default_factory=dict)
     capacity_source: Mapping[int, str] = field(default_factory=dict)

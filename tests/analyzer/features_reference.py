@@ -1,7 +1,9 @@
 """The feature builder as it was before it ran per pool and window in numpy, frozen.
 
 tests/analyzer/test_features_equivalence.py holds today's FeatureBuilder to these numbers: the
-trained model was fitted on them. Kept as it was (a row at a time in Python); change it never.
+trained model was fitted on them. Kept as it was (a row at a time in Python); change it only
+with a feature's definition, and retrain the model with it (the full-batch cost's power law,
+priced at the batches a GPU can run, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from gpubalance.analyzer.features import BATCH_TIME_EXPONENT, BATCH_TIME_PRIOR, KV_FULL_RATIO
 from gpubalance.analyzer.frames import GpuFrame
 
 # a queue is "waiting work" when it holds at least this share of a batch on average
@@ -178,25 +181,30 @@ def _batch_point(frame: GpuFrame) -> tuple[float, float] | None:
 
 
 def _full_batch_cost(points: Sequence[tuple[float, float]], largest: float) -> float:
-    """GPU seconds per request at full batches, from a line T = a*b + c through the batch
-    times T of batch sizes b: prefill grows with the batch, a decode step hardly does, so a
-    GPU running small batches back to back can still have room for more. NaN where the
-    batch sizes seen do not spread enough to tell a from c."""
-    if len(points) < 4:
+    """GPU seconds per request in batches of ``largest``, from a power law T = c * b ** a
+    through the batch times T of batch sizes b: a is the slope of ln T on ln b with a ridge
+    toward BATCH_TIME_EXPONENT, weighing BATCH_TIME_PRIOR of spread, within [0, 1]."""
+    if not points:
         return math.nan
     n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    var_b = sum((b - mean_b) ** 2 for b, _ in points) / n
-    if var_b <= (0.15 * mean_b) ** 2:
-        return math.nan
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / n / var_b
-    intercept = mean_t - slope * mean_b
-    if slope < 0:
-        slope, intercept = 0.0, mean_t
-    elif intercept < 0:
-        slope, intercept = sum(b * t for b, t in points) / sum(b * b for b, _ in points), 0.0
-    return (slope * largest + intercept) / largest
+    xs = [math.log(b) for b, _ in points]
+    ys = [math.log(t) for _, t in points]
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    exponent = (sxy + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (sxx + BATCH_TIME_PRIOR)
+    exponent = min(1.0, max(0.0, exponent))
+    return math.exp(mean_y + exponent * (math.log(largest) - mean_x)) / largest
+
+
+def _reach(frame: GpuFrame, largest: float) -> float:
+    """The largest batch a GPU can run: its limit (else the pool's largest), no more than
+    its KV cache holds, never less than the batch it ran."""
+    reach = frame.max_batch_size if frame.max_batch_size is not None else largest
+    size = frame.batch_size_mean
+    if size is not None and frame.kv_cache_usage_ratio:
+        reach = min(reach, size * KV_FULL_RATIO / frame.kv_cache_usage_ratio)
+    return max(reach, size) if size is not None else reach
 
 
 def _pools(
@@ -258,7 +266,8 @@ class FeatureBuilder:
                             for f in pool
                             if f.card == frame.card and (point := seen[f.uuid]) is not None
                         ]
-                        costs[frame.card] = _full_batch_cost(points, largest)
+                        reach = max(_reach(f, largest) for f in pool if f.card == frame.card)
+                        costs[frame.card] = _full_batch_cost(points, reach)
                 base = [
                     self._base(f, p, largest, card_best, costs[f.card])
                     for f, p in zip(pool, mine, strict=True)
