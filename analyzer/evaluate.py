@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import resource
 import statistics
@@ -220,7 +221,7 @@ def train_model(
     workers: int | None = None,
     stage: Stage | None = None,
 ) -> tuple[GpuStateClassifier, dict[str, Any]]:
-    """Score with each family held out (``train.cross_validate``), then fit on everything.
+    """Score with each family held out (``train.held_out_scores``), and fit on everything.
 
     The report holds what `gpubalance analyzer train` saves beside the model: the data, the
     generator settings, library versions, the commit and the held-out scores.
@@ -230,19 +231,12 @@ def train_model(
     )
     families = sorted(set(dataset.groups))
 
-    def make() -> GpuStateClassifier:
-        return GpuStateClassifier(random_state=seed)
-
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1):  # see _fit_one
-        _, held_out = train.cross_validate(
-            dataset, make, progress=_stage(stage, "held-out folds", len(families))
-        )
-        advance = _stage(stage, "final fit", 1)
-        classifier = train.fit_final(dataset, make())
-    if advance is not None:
-        advance(1)
+    make = functools.partial(GpuStateClassifier, random_state=seed)
+    # the held-out folds and the final fit (the fold that holds nothing out), one per process
+    advance = _stage(stage, "held-out folds and final fit", len(families) + 1)
+    models = _fit_folds(dataset, families, make, workers or os.cpu_count() or 1, advance)
+    _, held_out = train.held_out_scores(dataset, {f: models[f] for f in families})
+    classifier = models[None]
     report = {
         "data": {**train.describe(dataset), **settings},
         "versions": train.versions(),

@@ -18,6 +18,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,6 +91,8 @@ COLUMNS: tuple[str, ...] = (
     "rho_fitted_ratio",
     "peer_rho_fitted_max",
     "pool_rho_fitted_mean",
+    "batch_time_exponent",
+    "batch_fit_measured_ratio",
     "batch_wait_share_estimate",
     "service_class_count",
     "class_duration_ratio",
@@ -453,7 +456,8 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     points = np.concatenate([m.batch_points[batch], current], axis=1)
     # priced at the largest batch any GPU of the card there can run
     reach = batch_reach(size, largest, col("max_batch_size"), col("kv_cache_usage_ratio"))
-    cost = full_batch_cost(points, np.fmax.reduceat(reach[by_group], group_start))[group]
+    fit = batch_time_fit(points)
+    cost = fit.cost(np.fmax.reduceat(reach[by_group], group_start))[group]
 
     live = c.live[index]
     utilization = np.where(live, col("utilization_mean_ratio"), _NAN)
@@ -606,6 +610,9 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     peer_fitted = peers_of(fitted)
     out["peer_rho_fitted_max"] = np.fmax.reduce(peer_fitted, axis=1)
     out["pool_rho_fitted_mean"] = pool_mean(fitted)
+    # how much batching gains on the card (1: none) and how much of that the sizes seen say
+    out["batch_time_exponent"] = fit.exponent[group]
+    out["batch_fit_measured_ratio"] = fit.measured[group]
     # the share of a batch cycle spent waiting for the batch to fill
     cycle = delay + c.point_seconds[index]
     out["batch_wait_share_estimate"] = np.where(cycle > 0, delay / cycle, _NAN)
@@ -680,14 +687,29 @@ def _in_group_rank(sorted_groups: np.ndarray, picked: np.ndarray) -> np.ndarray:
     return np.arange(len(picked)) - np.repeat(starts, np.diff(np.r_[starts, len(picked)]))
 
 
-def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
-    """GPU seconds per request in batches of ``largest``, per row of (batch size, batch time)
-    points (NaN-padded), from a power law T = c * b ** a through the batch times T of the
-    batch sizes b: prefill grows with the batch, a decode step hardly does, so a GPU running
-    small batches back to back can still have room for more. The exponent a is the least
-    squares slope of ln T on ln b shrunk toward ``BATCH_TIME_EXPONENT`` (a ridge of weight
+class BatchTimeFit(NamedTuple):
+    """Per row, a power law T = c * b ** a through batch times T against batch sizes b (in
+    logs: ln T = mean_y + a * (ln b - mean_x)); each NaN where there was no point."""
+
+    mean_x: np.ndarray  # the mean ln batch size of the points
+    mean_y: np.ndarray  # the mean ln batch time, seconds
+    exponent: np.ndarray  # a
+    measured: np.ndarray  # the share of a the sizes seen decide (0: the prior alone)
+
+    def cost(self, largest: np.ndarray) -> np.ndarray:
+        """GPU seconds per request in batches of ``largest``."""
+        with np.errstate(invalid="ignore"):
+            return np.exp(self.mean_y + self.exponent * (np.log(largest) - self.mean_x)) / largest
+
+
+def batch_time_fit(points: np.ndarray) -> BatchTimeFit:
+    """The power law through each row of (batch size, batch time) points (NaN-padded):
+    prefill grows with the batch, a decode step hardly does, so a GPU running small batches
+    back to back can still have room for more. The exponent a is the least squares slope of
+    ln T on ln b shrunk toward ``BATCH_TIME_EXPONENT`` (a ridge of weight
     ``BATCH_TIME_PRIOR``), so sizes that spread little say little, and is kept within [0, 1]:
-    a larger batch never takes less time, nor more per request. NaN where there is no point."""
+    a larger batch never takes less time, nor more per request. Its ``measured`` share is the
+    sizes' spread (the sum of squares of ln b about its mean) over itself plus the prior's."""
     b, t = points[:, :, 0], points[:, :, 1]
     known = (b > 0) & (t > 0)  # a NaN pad is neither
     n = np.count_nonzero(known, axis=1)
@@ -698,12 +720,24 @@ def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
         mean_y = y.sum(axis=1) / n
         dx = np.where(known, x - mean_x[:, None], 0.0)
         dy = np.where(known, y - mean_y[:, None], 0.0)
+        spread = (dx * dx).sum(axis=1)
         exponent = ((dx * dy).sum(axis=1) + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (
-            (dx * dx).sum(axis=1) + BATCH_TIME_PRIOR
+            spread + BATCH_TIME_PRIOR
         )
-        exponent = np.clip(exponent, 0.0, 1.0)
-        cost = np.exp(mean_y + exponent * (np.log(largest) - mean_x)) / largest
-    return np.where(n > 0, cost, _NAN)
+    some = n > 0
+    return BatchTimeFit(
+        mean_x,
+        mean_y,
+        np.where(some, np.clip(exponent, 0.0, 1.0), _NAN),
+        np.where(some, spread / (spread + BATCH_TIME_PRIOR), _NAN),
+    )
+
+
+def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
+    """GPU seconds per request in batches of ``largest``, per row of (batch size, batch time)
+    points (NaN-padded), along :func:`batch_time_fit`'s power law; NaN where there is no
+    point."""
+    return batch_time_fit(points).cost(largest)
 
 
 def batch_reach(

@@ -25,7 +25,6 @@ import numpy as np
 
 from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
 from gpubalance.analyzer.frames import GpuFrame, frames_from_samples
-from gpubalance.analyzer.model import GpuStateClassifier
 
 WINDOW_SECONDS = 30.0
 
@@ -195,18 +194,28 @@ def cross_validate(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Hold out each family in turn; return every window's held-out prediction and the scores."""
     groups = np.asarray(dataset.groups)
+    models: dict[str, Any] = {}
+    for family in sorted(set(dataset.groups)):
+        train = dataset.subset(groups != family)
+        models[family] = make().fit(train.table, train.labels)
+        if progress is not None:
+            progress(1)
+    return held_out_scores(dataset, models)
+
+
+def held_out_scores(
+    dataset: Dataset, models: Mapping[str, Any]
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Every window's prediction by the model of its family (one fitted without it), and the
+    scores: overall, per family and the confusion matrix."""
+    groups = np.asarray(dataset.groups)
     predicted = np.empty(len(dataset), dtype=object)
     per_family: dict[str, Any] = {}
     labels = np.asarray(dataset.labels)
     for family in sorted(set(dataset.groups)):
         held = groups == family
-        train = dataset.subset(~held)
-        test = dataset.subset(held)
-        model = make().fit(train.table, train.labels)
-        predicted[held] = model.predict(test.table)
+        predicted[held] = models[family].predict(dataset.subset(held).table)
         per_family[family] = scores(list(labels[held]), list(predicted[held]))
-        if progress is not None:
-            progress(1)
     overall = scores(list(labels), list(predicted))
     overall["per_family"] = per_family
     overall["confusion"] = confusion(list(labels), list(predicted))
@@ -259,7 +268,3 @@ def describe(dataset: Dataset) -> dict[str, Any]:
         "labels": dict(sorted(Counter(dataset.labels).items())),
         "window_seconds": WINDOW_SECONDS,
     }
-
-
-def fit_final(dataset: Dataset, classifier: GpuStateClassifier) -> GpuStateClassifier:
-    return classifier.fit(dataset.table, dataset.labels)

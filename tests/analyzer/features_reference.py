@@ -75,6 +75,8 @@ COLUMNS: tuple[str, ...] = (
     "rho_fitted_ratio",
     "peer_rho_fitted_max",
     "pool_rho_fitted_mean",
+    "batch_time_exponent",
+    "batch_fit_measured_ratio",
     "batch_wait_share_estimate",
     "service_class_count",
     "class_duration_ratio",
@@ -180,12 +182,15 @@ def _batch_point(frame: GpuFrame) -> tuple[float, float] | None:
     return size, utilization * size / completions
 
 
-def _full_batch_cost(points: Sequence[tuple[float, float]], largest: float) -> float:
+def _full_batch_fit(
+    points: Sequence[tuple[float, float]], largest: float
+) -> tuple[float, float, float]:
     """GPU seconds per request in batches of ``largest``, from a power law T = c * b ** a
     through the batch times T of batch sizes b: a is the slope of ln T on ln b with a ridge
-    toward BATCH_TIME_EXPONENT, weighing BATCH_TIME_PRIOR of spread, within [0, 1]."""
+    toward BATCH_TIME_EXPONENT, weighing BATCH_TIME_PRIOR of spread, within [0, 1]; with a
+    and the share of a the spread decides."""
     if not points:
-        return math.nan
+        return math.nan, math.nan, math.nan
     n = len(points)
     xs = [math.log(b) for b, _ in points]
     ys = [math.log(t) for _, t in points]
@@ -194,7 +199,8 @@ def _full_batch_cost(points: Sequence[tuple[float, float]], largest: float) -> f
     sxx = sum((x - mean_x) ** 2 for x in xs)
     exponent = (sxy + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (sxx + BATCH_TIME_PRIOR)
     exponent = min(1.0, max(0.0, exponent))
-    return math.exp(mean_y + exponent * (math.log(largest) - mean_x)) / largest
+    cost = math.exp(mean_y + exponent * (math.log(largest) - mean_x)) / largest
+    return cost, exponent, sxx / (sxx + BATCH_TIME_PRIOR)
 
 
 def _reach(frame: GpuFrame, largest: float) -> float:
@@ -257,9 +263,9 @@ class FeatureBuilder:
                     + [f.batch_size_mean for f in pool if f.batch_size_mean is not None]
                 )
                 seen = {f.uuid: _batch_point(f) for f in pool}
-                costs: dict[str | None, float] = {}
+                fits: dict[str | None, tuple[float, float, float]] = {}
                 for frame, history in zip(pool, mine, strict=True):
-                    if frame.card not in costs:
+                    if frame.card not in fits:
                         key = (frame.host, frame.card, frame.queue_names or history.queue_names)
                         points = batches.get(key, []) + [
                             point
@@ -267,9 +273,9 @@ class FeatureBuilder:
                             if f.card == frame.card and (point := seen[f.uuid]) is not None
                         ]
                         reach = max(_reach(f, largest) for f in pool if f.card == frame.card)
-                        costs[frame.card] = _full_batch_cost(points, reach)
+                        fits[frame.card] = _full_batch_fit(points, reach)
                 base = [
-                    self._base(f, p, largest, card_best, costs[f.card])
+                    self._base(f, p, largest, card_best, fits[f.card])
                     for f, p in zip(pool, mine, strict=True)
                 ]
                 for frame, own, history in zip(pool, base, mine, strict=True):
@@ -298,7 +304,7 @@ class FeatureBuilder:
         past: _Past,
         largest: float,
         card_best: dict[tuple[str | None, tuple[str, ...]], float],
-        cost: float,
+        fit: tuple[float, float, float],
     ) -> _Base:
         """Figures of one frame that its peers' rows use too."""
         fill = _nan(frame.batch_size_mean) / largest
@@ -326,6 +332,7 @@ class FeatureBuilder:
             capacity = math.nan
         rho = completions / capacity if capacity > 0 else math.nan
         growth = max(0.0, _nan(frame.queue_depth_slope_per_second))
+        cost, exponent, measured = fit
         fitted = completions * cost
         return {
             "largest": largest,
@@ -340,6 +347,8 @@ class FeatureBuilder:
             "capacity": capacity,
             "rho": min(rho, 5.0),
             "rho_fitted": min(fitted, 5.0),
+            "exponent": exponent,
+            "measured": measured,
             "kv": _nan(frame.kv_cache_usage_ratio) if live else math.nan,
             "offered": min((completions + growth) / capacity, 5.0) if capacity > 0 else math.nan,
         }
@@ -485,6 +494,8 @@ class FeatureBuilder:
             "kv_cache_usage_peer_z": _robust_z(own["kv"], [p["kv"] for p in pool]),
             "peer_rho_fitted_max": max(peer_fitted) if peer_fitted else math.nan,
             "pool_rho_fitted_mean": _mean(pool_fitted),
+            "batch_time_exponent": own["exponent"],
+            "batch_fit_measured_ratio": own["measured"],
             # the share of a batch cycle spent waiting for the batch to fill
             "batch_wait_share_estimate": delay / (delay + busy) if delay + busy > 0 else math.nan,
             "rho_estimate_ratio": rho,

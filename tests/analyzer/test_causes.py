@@ -13,7 +13,7 @@ from gpubalance.analyzer import causes
 from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
 from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.model import GpuStateClassifier
-from gpubalance.analyzer.train import Example, build_dataset
+from gpubalance.analyzer.train import Example, build_dataset, truth_of_features
 from gpubalance.lab import generate, scenario
 from gpubalance.lab import run as lab_run
 from gpubalance.lab.fast import ORIGIN_SECONDS
@@ -76,6 +76,23 @@ def test_a_gpu_waiting_for_its_batches_is_starved_by_them(tmp_path: Path) -> Non
     learned = np.tile([0.7, 0.1, 0.2], (len(waiting.frames), 1))
     moved = np.tile([0.0, 1.0, 0.0], (len(waiting.frames), 1))
     assert np.allclose(causes.apply(learned, classes, waiting), moved)
+
+
+def test_a_gpu_whose_batches_fill_as_it_waits_is_not_starved_by_them() -> None:
+    # the batch-delay server with batches of 8 at 10 req/s: a batch fills within the 2 s and
+    # the GPU idles over half of each cycle, yet its work at full batches keeps it busy over
+    # 30 % of the window: balanced by its truth, and the batcher does not name the state
+    document = yaml.safe_load(scenario.scenario_path("batch-delay").read_text())
+    document["workers"][0]["max_batch_size"] = 8
+    document["traffic"][0]["arrivals"]["rate"] = 10
+    table, rows = truth_of_features(Example("batch-delay", "batch-fills", document, 1, 240.0))
+    assert {f"{r.state}/{r.cause}" for r in rows if r is not None} == {"balanced/none"}
+    assert min(causes.batch_idle_share(table)) >= causes.BATCH_IDLE_SHARE
+    assert max(table.column("utilization_ratio")) < causes.BATCH_WAIT_BUSY
+    assert min(table.column("rho_fitted_ratio")) >= causes.BATCH_WAIT_RHO
+    named = causes.named(table)
+    assert set(named.starved) == {"batch_delay"}  # the cause, should the state be starved
+    assert not named.waiting.any()
 
 
 def test_the_model_names_batch_delay_on_a_server_it_was_not_trained_on() -> None:

@@ -155,7 +155,8 @@ FEATURE_TOLERANCES.update(
     {
         name: (0.1, 0.3)
         for name in COLUMNS
-        if "rho" in name or name.startswith(("capacity_", "work_share_"))
+        if "rho" in name
+        or name.startswith(("capacity_", "work_share_", "batch_time_", "batch_fit_"))
     }
 )
 # features of figures the Prometheus source does not query (per-class durations),
@@ -178,12 +179,18 @@ SNAPSHOT_ONLY = {
 # features that cut a queue at QUEUED_BATCHES: where the queue they cut lies within its
 # tolerance of the cut, one sample flips them, and they are not compared in that window
 CUTS = {"pool_busy_share": "queue_batches", "idle_while_peer_queued": "peer_queue_max_batches"}
-# the batch-time fit behind these is known only once a GPU's own past holds 4 points whose
-# batch sizes spread past 15 % of their mean: each source's means differ a little (counters'
-# increases against the snapshots' differences), and near that cut one source has the fit
-# windows before the other (a clean-clone make test, once). Known on one side only agrees;
-# known on both, the values are compared
-FITS = {"rho_fitted_ratio", "peer_rho_fitted_max", "pool_rho_fitted_mean"}
+# the batch-time fit behind these is known once a card of the pool has a batch point, and
+# rests on each source's own past: each source's means differ a little (counters' increases
+# against the snapshots' differences), and one source can have its first point a window before
+# the other (a clean-clone make test, once, when the fit needed spread sizes). Known on one
+# side only agrees; known on both, the values are compared
+FITS = {
+    "rho_fitted_ratio",
+    "peer_rho_fitted_max",
+    "pool_rho_fitted_mean",
+    "batch_time_exponent",
+    "batch_fit_measured_ratio",
+}
 # A least-squares slope over a window's n samples gives an end sample of height q the weight
 # q·(n-1)/2 / Σ(t - t̄)²: a sample of the queue's largest height leaving one end as another
 # enters at the other moves the slope by twice that (0.109 of the height per second for ten).
