@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from gpubalance.analyzer import causes
 from gpubalance.analyzer.features import COLUMNS, FeatureTable
@@ -124,7 +125,11 @@ class GpuStateClassifier:
         self._check(table)
         if not len(table.frames):
             return np.zeros((0, len(self.classes_)))
-        learned = self._learned_proba(table)
+        # one thread: the trees' OpenMP threads spin while they wait for each other, and on a
+        # host whose cores are busy (a serving host's feeders, the lab's runs) an 8-row
+        # prediction took over 10 s on two threads of this 2-core machine, 12 ms on one
+        with threadpool_limits(limits=1):
+            learned = self._learned_proba(table)
         return causes.apply(learned, self.classes_, table) if self.named_causes else learned
 
     def _learned_proba(self, table: FeatureTable) -> np.ndarray:
