@@ -355,13 +355,7 @@ def _fit_one(
     task: tuple[Callable[[], GpuStateClassifier], FeatureTable, tuple[str, ...]],
 ) -> GpuStateClassifier:
     make, table, labels = task
-    from threadpoolctl import threadpool_limits
-
-    # one thread per fit: the trees' OpenMP threads cost more in waiting for each other than
-    # they give on data of this size, the more so on a busy machine (a small training: 18 s
-    # on one thread, 130 s on two, on a loaded 2-core host); folds run one per core instead
-    with threadpool_limits(limits=1):
-        return make().fit(table, labels)
+    return make().fit(table, labels)
 
 
 def _fit_folds(
