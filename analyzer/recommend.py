@@ -27,15 +27,16 @@ And across the pools of a host:
   it then serves at the capacity the busy pool's GPUs of its card have; when the higher ρ of
   the two pools is lower by ``min_gain_rho`` at least after it (so a move back, which would
   raise it again, is never recommended next), and only when the prediction outlasts the
-  move's model load (``move_load_seconds`` < ``ttl_seconds``). The quiet pool then gets no
+  move's model load (``move_load_seconds`` < ``ttl_seconds``). The quiet pool's verdicts must
+  have held; the busy pool's need not: its load and queue say it needs a GPU before its verdict
+  has turned and held, and the GPU takes a model load to arrive. The quiet pool then gets no
   ``remove_worker``: a GPU another pool of its host needs is moved there, not taken out. A
-  pool's ρ here is its latest
-  window's offered load, or its trend where it rises (over the load time for the busy pool,
-  the recommendation's horizon for the quiet one), over its GPUs' capacity: the 4-window
-  mean the other rules use lags a shifting demand by minutes. Capacities are at the batches
-  a pool can run (the capacity model's): one that ran short batches after a quiet spell
-  serves more as its queue grows, before it needs another GPU. At most one per host: a move
-  changes both pools, and the next is judged on what it left.
+  pool's ρ here is its latest window's offered load, or its trend where it rises (over the
+  load time for the busy pool, the recommendation's horizon for the quiet one), over its GPUs'
+  capacity: the 4-window mean the other rules use lags a shifting demand by minutes.
+  Capacities are at the batches a pool can run (the capacity model's): one that ran short
+  batches after a quiet spell serves more as its queue grows, before it needs another GPU. At
+  most one per host: a move changes both pools, and the next is judged on what it left.
 
 ``add_worker`` has a cost rank but no rule yet: the frames do not say which GPU has room for
 another model.
@@ -223,12 +224,15 @@ class Recommender:
         demand = {p.pool: _Demand.of(table, p) for p in pools}
         # a reshaped pool is judged on too few windows of its new shape (its load, its
         # capacity): a second move at it would stack on the first before anyone saw what the
-        # first did
-        # (and one whose verdicts are too fresh for any action but a re-weighting is not yet
-        # judged at all)
-        settled = [p for p in pools if p.pool not in reshaped and p.held]
+        # first did. A pool gives a GPU away only on verdicts that have held (one whose
+        # verdicts are too fresh for any action but a re-weighting is not yet judged at all);
+        # it takes one on its load, capacity and queue, which the verdicts would only follow:
+        # a pool whose demand rises past what its GPUs serve is judged overloaded a window or
+        # two after its queue starts to grow, and a moved GPU still has its model to load
+        shaped = [p for p in pools if p.pool not in reshaped]
+        settled = [p for p in shaped if p.held]
         moves: list[_Move] = []
-        for busy in settled:
+        for busy in [p for p in shaped if p.known]:
             queued = [c.queue_depth or 0.0 for c in busy.gpus.values()]
             if statistics.fmean(queued or [0.0]) < 1.0:
                 continue

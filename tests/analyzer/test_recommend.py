@@ -428,6 +428,46 @@ def test_no_move_without_a_busy_pool_or_when_the_load_outlasts_the_prediction() 
     assert _moves(Recommender().recommend(diagnosis, table, frames[-1].t_end))
 
 
+def test_a_busy_pool_takes_a_gpu_before_its_verdict_has_held() -> None:
+    """llama's load and queue say it needs a GPU in every window, but its GPUs were judged
+    balanced until the verdict step turned them overloaded in the latest window: the move
+    rests on the load, not on a verdict the rising queue has only just turned. qwen, which
+    gives the GPU, is judged on verdicts that have held."""
+
+    class Turning(_Labels):
+        """``early`` before window ``turn``, LABELS from it on."""
+
+        def __init__(self, early: dict[int, str], turn: int) -> None:
+            super().__init__(early)
+            self.classes_ = np.array(sorted({*early.values(), *LABELS.values()}))
+            self.turn = turn
+
+        def predict_proba(self, table: FeatureTable) -> np.ndarray:
+            out = np.zeros((len(table.frames), len(self.classes_)))
+            for i, frame in enumerate(table.frames):
+                late = frame.t_start >= self.turn * WINDOW
+                label = (LABELS if late else self.labels)[frame.gpu]
+                out[i, list(self.classes_).index(label)] = 1.0
+            return out
+
+    frames = _two_pools(4)
+    table = FeatureBuilder().transform(frames)
+    calm_llama = LABELS | {0: "balanced/none", 1: "balanced/none"}
+    for turn in (2, 3):
+        diagnosis = Verdicts(Turning(calm_llama, turn)).diagnose(table)
+        last = {v.gpu: v.state for v in diagnosis.verdicts if v.t_start == 3 * WINDOW}
+        # turned in window 2, the verdict step has held it since window 3; in window 3, not yet
+        assert last[0] == last[1] == ("overloaded" if turn == 2 else "balanced")
+        found = Recommender().recommend(diagnosis, table, frames[-1].t_end)
+        assert [(m.target, m.parameters["to"]) for m in _moves(found)] == [("gpu:2", "llama")]
+    # a quiet pool whose verdicts turned in the latest window gives nothing
+    calm_qwen = LABELS | {2: "balanced/none", 3: "balanced/none"}
+    diagnosis = Verdicts(Turning(calm_qwen, 2)).diagnose(table)
+    last = {v.gpu: v.state for v in diagnosis.verdicts if v.t_start == 3 * WINDOW}
+    assert last[2] == last[3] == "starved"
+    assert _moves(Recommender().recommend(diagnosis, table, frames[-1].t_end)) == []
+
+
 def test_no_move_to_a_pool_whose_short_batches_leave_it_room() -> None:
     """llama's GPUs run batches of 2.5 and 4.5 with half the larger waiting (a pool after a
     quiet spell: each batch 0.2 s plus 0.1 s per request), served 12.5/s and offered 13.5/s.
