@@ -90,6 +90,11 @@ class GpuFrame:
     # max_batch_size of an endpoint, an OTLP worker's gpubalance.batch.size.limit): None
     # where none says
     max_batch_size: float | None = None
+    # prompt tokens prefilled and tokens generated per second over the window, summed over
+    # the GPU's queues (vLLM's and SGLang's token counters, TGI's length histograms, the
+    # OTLP token counters): None where no queue counts tokens
+    prompt_tokens_per_second: float | None = None
+    generation_tokens_per_second: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -370,6 +375,8 @@ def _gpu_frame(
         class_duration_ratio=serving.class_duration_ratio(),
         kv_cache_usage_ratio=serving.kv_usage_mean,
         max_batch_size=serving.max_batch_size,
+        prompt_tokens_per_second=serving.rate_of("prompt_tokens_total"),
+        generation_tokens_per_second=serving.rate_of("generation_tokens_total"),
     )
 
 
@@ -548,6 +555,8 @@ def _lab_frame(
     delays = values("batch_delay_seconds")
     completed = values("requests_completed")
     failures = values("allocation_failures_total")
+    # a frames.csv written before the token columns: unknown
+    prompt, generated = values("prompt_tokens"), values("generation_tokens")
     reasons = [frozenset(r["throttle_reasons"].split("|")) - {""} for r in live]
     last = live[-1] if live else None
     seconds = len(live) * period
@@ -601,6 +610,8 @@ def _lab_frame(
         # a frames.csv written before the column: unknown
         kv_cache_usage_ratio=_mean(values("kv_cache_usage_ratio")),
         max_batch_size=max(values("max_batch_size"), default=None),
+        prompt_tokens_per_second=sum(prompt) / seconds if prompt and seconds else None,
+        generation_tokens_per_second=sum(generated) / seconds if generated and seconds else None,
         feeder_read_bytes_per_second=None,
         host_cpu_busy_ratio=None,
         host_cpu_pressure_ratio=None,

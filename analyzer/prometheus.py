@@ -27,7 +27,8 @@ Prometheus only has what the exporter exposes or what PromQL computes:
   window is at most a quarter of the analysis window, where it says something.
 - ``throttle_reasons`` holds the reasons active at some scrape (one active only between scrapes
   is missed).
-- Counters (``completions_per_second``, ``allocation_failures`` and the per-request means)
+- Counters (``completions_per_second``, ``allocation_failures``, the token rates and the
+  per-request means)
   come from ``increase()``: the window's own samples extrapolated to its edges, so counts can be
   fractional; a reset (a restarted worker) counts from zero. The snapshot path differences
   against the last sample before the window instead. The means (batch delay, request duration,
@@ -180,6 +181,8 @@ def _queries(select: Callable[..., str], w: str, host: str) -> dict[str, str]:
         "allocation_failures": (
             f"increase({select('gpubalance_memory_allocation_failures_total')}[{w}])"
         ),
+        "prompt_tokens": f"increase({select('gpubalance_prompt_tokens_total')}[{w}])",
+        "generation_tokens": f"increase({select('gpubalance_generation_tokens_total')}[{w}])",
     }
     for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds"):
         for part in ("sum", "count"):
@@ -233,6 +236,8 @@ SERVING_QUERIES = (
     "running",
     "kv_cache_usage",
     "allocation_failures",
+    "prompt_tokens",
+    "generation_tokens",
     *(
         f"{stem}_{part}"
         for stem in ("batch_assembly_delay_seconds", "batch_size", "request_duration_seconds")
@@ -844,6 +849,8 @@ class _Assembly:
                 "batch_size_mean": mean_of("batch_size"),
                 "completions_per_second": on_gpu["request_duration_seconds_count"] / self.window,
                 "allocation_failures": on_gpu["allocation_failures"],
+                "prompt_tokens_per_second": on_gpu["prompt_tokens"] / self.window,
+                "generation_tokens_per_second": on_gpu["generation_tokens"] / self.window,
             }
         listed = np.zeros((len(series), self.steps), dtype=bool)
         for values in serving.values():

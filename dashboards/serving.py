@@ -124,6 +124,25 @@ def build() -> dict[str, Any]:
         )
         .with_panel(
             series(
+                "Tokens per request",
+                "Prompt and generated tokens per request answered, per GPU (servers that "
+                "count tokens): prompts long against outputs make prefill-bound batches, "
+                "whose time grows with their size.",
+                [
+                    query(
+                        f"sum by ({per_worker}) (rate(gpubalance_{kind}_tokens_total"
+                        f"{{{SERVING}}}[$__rate_interval])) / sum by ({per_worker}) "
+                        "(rate(gpubalance_request_duration_seconds_count"
+                        f"{{{SERVING}}}[$__rate_interval]))",
+                        f"{LEGEND} {kind}",
+                    )
+                    for kind in ("prompt", "generation")
+                ],
+                "short",
+            )
+        )
+        .with_panel(
+            series(
                 "KV cache usage",
                 "Share of the KV cache in use (engines that report it).",
                 [query(f"gpubalance_kv_cache_usage_ratio{{{SERVING}}}", LEGEND)],

@@ -394,24 +394,13 @@ def _serving_window(
     start, first = series[0]
     depths = [s.queue_depth for _, s in series if s.queue_depth is not None]
     elapsed = end - start
-    requests = allocation = None
-    if elapsed > 0 and first is not serving:
-        if (
-            serving.request_duration_seconds_count is not None
-            and first.request_duration_seconds_count is not None
-        ):
-            requests = _rate(
-                serving.request_duration_seconds_count,
-                first.request_duration_seconds_count,
-                elapsed,
-            )
-        if (
-            serving.allocation_failures_total is not None
-            and first.allocation_failures_total is not None
-        ):
-            allocation = _rate(
-                serving.allocation_failures_total, first.allocation_failures_total, elapsed
-            )
+
+    def per_second(counter: str) -> float | None:
+        new, old = getattr(serving, counter), getattr(first, counter)
+        if elapsed <= 0 or first is serving or new is None or old is None:
+            return None
+        return _rate(new, old, elapsed)
+
     return ServingWindow(
         worker=serving.worker,
         source=serving.source,
@@ -431,6 +420,8 @@ def _serving_window(
         request_duration_seconds=_mean_of_delta(
             first, serving, "request_duration_seconds_sum", "request_duration_seconds_count"
         ),
-        requests_per_second=requests,
-        allocation_failures_per_second=allocation,
+        requests_per_second=per_second("request_duration_seconds_count"),
+        allocation_failures_per_second=per_second("allocation_failures_total"),
+        prompt_tokens_per_second=per_second("prompt_tokens_total"),
+        generation_tokens_per_second=per_second("generation_tokens_total"),
     )

@@ -1,6 +1,6 @@
 """Report a custom Python serving worker's queue to the gpubalance exporter over OTLP.
 
-Workers that no scrape adapter understands (Triton, vLLM, TGI and SGLang have one) push five
+Workers that no scrape adapter understands (Triton, vLLM, TGI and SGLang have one) push seven
 metrics (and, when given one, their batch limit) to ``POST /v1/metrics`` on the exporter's OTLP
 listener (``127.0.0.1:4318`` unless ``exporter.serving.otlp.listen`` says otherwise)::
 
@@ -10,7 +10,7 @@ listener (``127.0.0.1:4318`` unless ``exporter.serving.otlp.listen`` says otherw
         ...
         metrics.set_queue_depth(queue.qsize())  # whenever the queue changes
         metrics.batch_started(waits)  # each request's wait since it was enqueued
-        metrics.request_finished(duration_seconds, tenant="acme")
+        metrics.request_finished(seconds, tenant="acme", prompt_tokens=812, generated_tokens=64)
         metrics.allocation_failed()  # on CUDA out-of-memory
 
 It runs on its own OpenTelemetry MeterProvider, never the global one, so it composes with
@@ -49,7 +49,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServingMetrics:
-    """The five gpubalance serving metrics of one worker, pushed every ``export_interval_seconds``.
+    """The seven gpubalance serving metrics of one worker, pushed every ``export_interval_seconds``.
 
     ``worker`` becomes ``service.instance.id``; pass the name the exporter's configuration knows
     the worker by (default: host name and process id). ``gpu_uuid`` and ``gpu_index`` say which
@@ -123,6 +123,16 @@ class ServingMetrics:
             unit="{failure}",
             description="GPU memory allocations that failed (CUDA out of memory)",
         )
+        self._prompt_tokens = meter.create_counter(
+            "gpubalance.prompt.tokens",
+            unit="{token}",
+            description="Prompt tokens of the requests the worker prefilled",
+        )
+        self._generation_tokens = meter.create_counter(
+            "gpubalance.generation.tokens",
+            unit="{token}",
+            description="Tokens the worker generated",
+        )
         if max_batch_size is not None:
             limit = Observation(max_batch_size)
             meter.create_observable_gauge(
@@ -148,10 +158,23 @@ class ServingMetrics:
         for wait in waits_seconds:
             self._assembly_delay.record(wait)
 
-    def request_finished(self, duration_seconds: float, tenant: str | None = None) -> None:
-        """A request was answered ``duration_seconds`` after it arrived."""
+    def request_finished(
+        self,
+        duration_seconds: float,
+        tenant: str | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        generated_tokens: int | None = None,
+    ) -> None:
+        """A request was answered ``duration_seconds`` after it arrived; with its prompt's
+        length and the tokens generated for it where the worker counts tokens (the analyzer
+        tells prefill-heavy work, whose batches cost in proportion to their size, from them)."""
         attributes = {"gpubalance.tenant": tenant} if tenant is not None else None
         self._request_duration.record(duration_seconds, attributes)
+        if prompt_tokens is not None:
+            self._prompt_tokens.add(prompt_tokens, attributes)
+        if generated_tokens is not None:
+            self._generation_tokens.add(generated_tokens, attributes)
 
     def allocation_failed(self) -> None:
         """A GPU memory allocation failed."""

@@ -205,6 +205,10 @@ class ServingMeasures:
     request_duration_seconds_count: float | None = None
     allocation_failures_total: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # tokens of the requests' prompts it has prefilled, and tokens it has generated (counters):
+    # how prefill-heavy its work is, which decides how much a larger batch costs
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
     # the most requests the server puts in one batch, as configured (vLLM --max-num-seqs, TGI
     # --max-batch-size, Triton's max_batch_size, SGLang --max-running-requests)
     max_batch_size: float | None = None
@@ -363,6 +367,8 @@ class ServingWindow:
     request_duration_seconds: float | None  # mean per request over the window
     requests_per_second: float | None
     allocation_failures_per_second: float | None
+    prompt_tokens_per_second: float | None = None
+    generation_tokens_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,8 @@ class WorkerState:
     requests_done: int = 0
     request_duration_sum: float = 0.0
     allocation_failures: int = 0
+    prompt_tokens: int = 0  # of the requests answered
+    generation_tokens: int = 0
     cpu_wait_seconds: float = 0.0  # waiting for a host core
     disk_wait_seconds: float = 0.0
     disk_busy_seconds: float = 0.0
@@ -434,6 +436,8 @@ class FastRun:
         worker.in_flight -= 1
         worker.requests_done += 1
         worker.request_duration_sum += now - request.arrival_seconds
+        worker.prompt_tokens += request.prompt_tokens
+        worker.generation_tokens += request.output_tokens
         if (counts := worker.by_class.get(request.service_class)) is not None:
             counts[1] += 1
             counts[2] += now - request.arrival_seconds
@@ -694,6 +698,8 @@ class FastRun:
             requests_done=w.requests_done,
             request_duration_sum=w.request_duration_sum,
             allocation_failures=w.allocation_failures,
+            prompt_tokens=w.prompt_tokens,
+            generation_tokens=w.generation_tokens,
             cpu_wait_seconds=w.cpu_wait_seconds,
             disk_wait_seconds=w.disk_wait_seconds,
             disk_busy_seconds=w.disk_busy_seconds,

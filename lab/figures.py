@@ -67,6 +67,8 @@ class WorkerFigures:
     requests_done: int
     request_duration_sum: float
     allocation_failures: int
+    prompt_tokens: int = 0  # of the requests answered
+    generation_tokens: int = 0
     cpu_wait_seconds: float = 0.0
     disk_wait_seconds: float = 0.0
     disk_busy_seconds: float = 0.0
@@ -235,11 +237,14 @@ class Telemetry:
             if w.kv_cache_bytes
             else None,
             max_batch_size=float(w.max_batch_size),
+            prompt_tokens_total=float(f.prompt_tokens),
+            generation_tokens_total=float(f.generation_tokens),
         )
         if not f.classes:
             return [whole]
         # one series per class; what belongs to the worker's batches as a whole (batch sizes,
-        # the running batch, allocations, KV) goes with the first, so sums over series hold
+        # the running batch, allocations, KV, tokens) goes with the first, so sums over series
+        # hold
         out = []
         for i, c in enumerate(f.classes):
             shared = whole if i == 0 else None
@@ -257,6 +262,8 @@ class Telemetry:
                     request_duration_seconds_count=float(c.requests_done),
                     allocation_failures_total=whole.allocation_failures_total if shared else None,
                     kv_cache_usage_ratio=whole.kv_cache_usage_ratio if shared else None,
+                    prompt_tokens_total=whole.prompt_tokens_total if shared else None,
+                    generation_tokens_total=whole.generation_tokens_total if shared else None,
                 )
             )
         return out
@@ -311,6 +318,8 @@ class Telemetry:
             if delta("batch_delay_count")
             else 0.0,
             "requests_completed": delta("requests_done"),
+            "prompt_tokens": delta("prompt_tokens"),
+            "generation_tokens": delta("generation_tokens"),
             "allocation_failures_total": sum(n.allocation_failures for n in now),
             "worker_cpu_cores": max(cpu, default=0.0),
             # the fullest KV cache of the GPU's workers, as the serving samples report it

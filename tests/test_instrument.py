@@ -78,8 +78,8 @@ def test_values_arrive_with_the_worker_and_gpu(receiver: Receiver) -> None:
     metrics.set_queue_depth(5)
     metrics.batch_started([0.01, 0.01, 0.02, 0.0])  # four requests, each with its wait
     metrics.batch_started([0.03, 0.01])
-    metrics.request_finished(0.2, tenant="acme")
-    metrics.request_finished(0.4, tenant="acme")
+    metrics.request_finished(0.2, tenant="acme", prompt_tokens=900, generated_tokens=12)
+    metrics.request_finished(0.4, tenant="acme", prompt_tokens=300, generated_tokens=40)
     metrics.allocation_failed()
     metrics.allocation_failed()
     assert metrics.flush()
@@ -97,6 +97,9 @@ def test_values_arrive_with_the_worker_and_gpu(receiver: Receiver) -> None:
     acme = readings["worker=w1,class=chat,tenant=acme,gpu_uuid=GPU-1,gpu_index=1"]
     assert acme.request_duration_seconds_sum == pytest.approx(0.6)
     assert acme.request_duration_seconds_count == 2
+    # the requests' tokens, with their tenant
+    assert (acme.prompt_tokens_total, acme.generation_tokens_total) == (1200, 52)
+    assert worker.prompt_tokens_total is None
     assert set(readings) == {worker.key, acme.key}
     (status,) = receiver.store.statuses()
     assert status.up and not status.errors_total

@@ -422,6 +422,20 @@ def add_serving(out: Exposition, view: View) -> None:
             labels,
         )
         out.add(
+            "gpubalance_prompt_tokens_total",
+            C,
+            "Prompt tokens of the requests the queue's server prefilled.",
+            s.prompt_tokens_total,
+            labels,
+        )
+        out.add(
+            "gpubalance_generation_tokens_total",
+            C,
+            "Tokens the queue's server generated.",
+            s.generation_tokens_total,
+            labels,
+        )
+        out.add(
             "gpubalance_kv_cache_usage_ratio",
             G,
             "Share of the KV cache in use" + _LATEST + ".",

@@ -1,6 +1,6 @@
 """From decoded OTLP metrics to stored series: one per (worker, class, tenant, GPU).
 
-Six metrics are known, the rest ignored:
+Eight metrics are known, the rest ignored:
 
 - ``gpubalance.queue.depth``: Gauge or UpDownCounter (non-monotonic Sum) -> queue_depth
 - ``gpubalance.batch.assembly_delay``: Histogram in seconds -> batch_assembly_delay_seconds_*
@@ -8,6 +8,8 @@ Six metrics are known, the rest ignored:
 - ``gpubalance.request.duration``: Histogram in seconds -> request_duration_seconds_*
 - ``gpubalance.memory.allocation_failures``: Counter (monotonic Sum) -> allocation_failures_total
 - ``gpubalance.batch.size.limit``: Gauge -> max_batch_size (the worker's configured batch limit)
+- ``gpubalance.prompt.tokens``: Counter -> prompt_tokens_total (prompt tokens prefilled)
+- ``gpubalance.generation.tokens``: Counter -> generation_tokens_total (tokens generated)
 
 Attributes come from the data point, else the resource: ``service.instance.id`` (the worker;
 "unknown" when missing), ``gpubalance.class``, ``gpubalance.tenant``, ``gpu.uuid`` and
@@ -87,6 +89,8 @@ SPECS = {
         frozenset({"counter"}), ("allocation_failures_total",)
     ),
     "gpubalance.batch.size.limit": _Spec(frozenset({"gauge"}), ("max_batch_size",)),
+    "gpubalance.prompt.tokens": _Spec(frozenset({"counter"}), ("prompt_tokens_total",)),
+    "gpubalance.generation.tokens": _Spec(frozenset({"counter"}), ("generation_tokens_total",)),
 }
 
 

@@ -6,8 +6,9 @@
   ``version``; execution metrics of a GPU instance also carry ``gpu_uuid``; latencies are
   cumulative microsecond counters; avg batch size is inference count / execution count.
 - ``tgi``: Text Generation Inference 3.x (``router/src/server.rs``): one unlabelled router
-  queue, with histograms of request latency, queue time and the size of each new batch (the
-  lab's has only the +Inf bucket of the last: its sum and count are what the exporter reads).
+  queue, with histograms of request latency, queue time, the size of each new batch and the
+  requests' input and generated token counts (the lab's has only the +Inf bucket of the last
+  three: their sums and counts are what the exporter reads).
 
 The names, types and labels follow those servers, so the exporter's serving adapters parse a
 lab worker as they parse the real thing.
@@ -76,6 +77,20 @@ def vllm(worker: Any) -> Exposition:
         C,
         "Cumulative number of preemption from the engine.",
         worker.allocation_failures,
+        labels,
+    )
+    out.add(
+        "vllm:prompt_tokens_total",
+        C,
+        "Number of prefill tokens processed.",
+        worker.prompt_tokens,
+        labels,
+    )
+    out.add(
+        "vllm:generation_tokens_total",
+        C,
+        "Number of generation tokens processed.",
+        worker.generation_tokens,
         labels,
     )
     out.add(
@@ -189,6 +204,10 @@ def tgi(worker: Any) -> Exposition:
     _histogram(out, "tgi_request_queue_duration", "Time spent in the queue", worker.queue_time, {})
     batches = _Totals(worker.batch_size_sum, worker.batches)
     _histogram(out, "tgi_batch_next_size", "Batch size of the next batch", batches, {})
+    prompts = _Totals(worker.prompt_tokens, worker.requests_done)
+    _histogram(out, "tgi_request_input_length", "Input token count per request", prompts, {})
+    outputs = _Totals(worker.generation_tokens, worker.requests_done)
+    _histogram(out, "tgi_request_generated_tokens", "Generated tokens per request", outputs, {})
     return out
 
 

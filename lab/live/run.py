@@ -420,6 +420,8 @@ class LiveLab:
             requests_done=int(total("requests_done", "requests_done")),
             request_duration_sum=total("request_duration_sum", "request_duration_sum"),
             allocation_failures=int(total("allocation_failures", "allocation_failures")),
+            prompt_tokens=int(total("prompt_tokens", "prompt_tokens")),
+            generation_tokens=int(total("generation_tokens", "generation_tokens")),
             cpu_wait_seconds=total("cpu_wait_seconds", "cpu_wait_seconds"),
             disk_wait_seconds=total("disk_wait_seconds", "disk_wait_seconds"),
             disk_busy_seconds=total("disk_busy_seconds", "disk_busy_seconds"),

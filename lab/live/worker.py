@@ -132,6 +132,8 @@ class Worker:
         self.requests_done = 0
         self.request_duration_sum = 0.0
         self.allocation_failures = 0
+        self.prompt_tokens = 0  # of the requests answered
+        self.generation_tokens = 0
         self.rejected = 0
         self.cpu_wait_seconds = 0.0  # waiting for a host core (PSI cpu "some")
         self.disk_wait_seconds = 0.0  # waiting for the disk (PSI io)
@@ -182,8 +184,12 @@ class Worker:
         self.queue_done_seconds += result["started_at"] - result["enqueued_at"]
         self.request_duration_sum += result["finished_at"] - arrived
         self.latency.observe(result["finished_at"] - arrived)
+        self.prompt_tokens += prompt
+        self.generation_tokens += output
         if self.otlp is not None:
-            self.otlp.request_finished(result["finished_at"] - arrived)
+            self.otlp.request_finished(
+                result["finished_at"] - arrived, prompt_tokens=prompt, generated_tokens=output
+            )
         return web.json_response(
             {"id": rid, "gpu": self.config.gpu, "worker": self.config.name, **result}
         )
@@ -251,6 +257,8 @@ class Worker:
             "requests_done": self.requests_done,
             "request_duration_sum": self.request_duration_sum,
             "allocation_failures": self.allocation_failures,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
             "clock_ratio": self.clock_ratio,
             "cpu_wait_seconds": self.cpu_wait_seconds,
             "disk_wait_seconds": self.disk_wait_seconds,

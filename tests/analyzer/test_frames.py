@@ -15,7 +15,7 @@ from gpubalance.analyzer.frames import (
     window_index,
 )
 from gpubalance.lab import run as lab_run
-from gpubalance.lab import scenario
+from gpubalance.lab import scenario, traffic
 from gpubalance.lab.fast import ORIGIN_SECONDS
 from gpubalance.telemetry import Sample
 
@@ -76,6 +76,54 @@ def test_completions_are_counted_once_across_windows(skewed: tuple[list[Sample],
     expected = {g: sum(1 for r in answered if int(r["gpu"]) == g) for g in range(4)}
     for gpu, count in expected.items():
         assert count - 12 <= round(by_gpu[gpu]) <= count
+
+
+def test_tokens_are_those_of_the_requests_answered(skewed: tuple[list[Sample], Path]) -> None:
+    """The prompt and generated tokens a GPU's frames count, from its samples and from the
+    run's frames.csv, are those of the requests it answered, each once."""
+    samples, out = skewed
+    plan = scenario.load("skewed-heterogeneous")
+    sent = {r.id: r for r in traffic.generate(plan.scenario.traffic, 180, 1)}
+    end = samples[-1].timestamp_seconds - ORIGIN_SECONDS
+    with (out / "requests.csv").open() as f:
+        answered = [r for r in csv.DictReader(f) if r["outcome"] == "ok" and float(r["end"]) <= end]
+    expected = {
+        (g, kind): sum(
+            getattr(sent[int(r["id"])], f"{kind}_tokens") for r in answered if int(r["gpu"]) == g
+        )
+        for g in range(4)
+        for kind in ("prompt", "output")
+    }
+    counted: dict[tuple[int, str], float] = {}
+    for frame in frames_from_samples(
+        samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    ):
+        elapsed = frame.seconds if frame.t_start > ORIGIN_SECONDS else frame.seconds - 1.0
+        for kind, rate in (
+            ("prompt", frame.prompt_tokens_per_second),
+            ("output", frame.generation_tokens_per_second),
+        ):
+            assert rate is not None
+            counted[(frame.gpu, kind)] = counted.get((frame.gpu, kind), 0.0) + rate * elapsed
+    for key, tokens in expected.items():
+        # the first sample's own requests are its baseline: at most a second's worth
+        assert 0.9 * tokens <= round(counted[key]) <= tokens, key
+    assert expected[(0, "prompt")] > 2 * expected[(1, "prompt")]  # the hot GPU answers more
+    with (out / "frames.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    from_csv = list(frames_from_lab_rows(rows, window_seconds=WINDOW, host="lab"))
+    for key, tokens in expected.items():
+        rate = "prompt" if key[1] == "prompt" else "generation"
+        total = sum(
+            getattr(f, f"{rate}_tokens_per_second") * f.seconds for f in from_csv if f.gpu == key[0]
+        )
+        assert round(total) == tokens, key
+    # a frames.csv written before the columns: unknown
+    old = [{k: v for k, v in r.items() if not k.endswith("_tokens")} for r in rows]
+    assert all(
+        f.prompt_tokens_per_second is None and f.generation_tokens_per_second is None
+        for f in frames_from_lab_rows(old, window_seconds=WINDOW, host="lab")
+    )
 
 
 def test_the_skewed_server_shows_its_skew(skewed: tuple[list[Sample], Path]) -> None:

@@ -191,6 +191,9 @@ def fleet_openmetrics() -> str:
                 add("gpubalance_batch_size_sum", queue, requests, j)
                 failures = 3.0 if labels["worker"] == "w0" and j >= 25 else 0.0
                 add("gpubalance_memory_allocation_failures_total", queue, failures, j)
+                if labels["source"] == "vllm":  # Triton counts no tokens
+                    add("gpubalance_prompt_tokens_total", queue, 600 * requests, j)
+                    add("gpubalance_generation_tokens_total", queue, 50 * requests, j)
     lines = [line for name in sorted(series) for line in sorted(series[name], key=_series_order)]
     return "\n".join([*lines, "# EOF", ""])
 
@@ -422,6 +425,8 @@ def test_gauges_and_counters_of_a_gpu(fleet: dict[tuple[str, str, int], GpuFrame
     assert f.batch_delay_seconds == pytest.approx(0.02)
     assert f.batch_size_mean == pytest.approx(4.0)
     assert f.allocation_failures == 0.0
+    assert f.prompt_tokens_per_second == pytest.approx(6000.0)
+    assert f.generation_tokens_per_second == pytest.approx(500.0)
     assert (f.feeder_processes, f.feeder_cpu_cores_max) == (1, pytest.approx(1.0))
     assert f.feeder_read_bytes_per_second == pytest.approx(1e6)
     assert f.host_cpu_busy_ratio == pytest.approx(0.5)
@@ -437,6 +442,7 @@ def test_a_queue_without_uuid_lands_on_its_gpu_by_index(
     assert (f.serving_queues, f.service_classes, f.queue_depth_mean) == (1, ("batch",), 0.0)
     assert f.kv_cache_usage_ratio == pytest.approx(0.1)  # its own queue's, not GPU 0's
     assert f.completions_per_second == pytest.approx(2.0)
+    assert f.prompt_tokens_per_second is None  # its server counts no tokens
     assert f.feeder_cpu_cores_max == pytest.approx(0.25)
     assert f.feeder_read_bytes_per_second is None  # its I/O counters were unreadable
     # GPU 0's queue is not counted on GPU 1 although both are "llama"
@@ -519,7 +525,7 @@ def test_only_the_window_gauge_figures_some_gpu_takes_are_asked(
     )
     server.shutdown()
     asked = [form["query"] for _, form, _ in server.seen]
-    assert len(asked) == 42 - 3
+    assert len(asked) == 44 - 3
     utilization = "gpubalance_gpu_utilization_ratio"
     assert not [q for q in asked if f"avg_over_time({utilization}" in q]
     assert not [q for q in asked if "quantile_over_time" in q]
@@ -587,7 +593,7 @@ def test_credentials_and_options_go_with_every_query(recording: Recording) -> No
     server.shutdown()
     # one query per figure (per slowdown reason), for every host at once; the exporters' windows
     # (5 s and 30 s) need every figure of the window gauges
-    assert len(server.seen) == 42
+    assert len(server.seen) == 44
     for path, form, headers in server.seen:
         assert path == "/api/v1/query_range"
         assert (headers["Authorization"], headers["X-Scope-OrgID"]) == ("Bearer s3cret", "fleet")

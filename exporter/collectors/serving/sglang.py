@@ -20,6 +20,9 @@ Source: ``python/sglang/srt/metrics/collector.py``. Each scheduler process (one 
   reading gets the whole of its model's (and engine type's) series, summed over custom labels:
   duplicated, not split. With ``--dp-size`` that is the whole endpoint's latency on every
   replica, not the replica's own.
+- ``prompt_tokens_total``, ``generation_tokens_total``: the tokenizer manager's
+  ``sglang:prompt_tokens_total`` and ``sglang:generation_tokens_total`` counters, joined onto
+  the schedulers as its latency is (every rank of a TP group gets its model's whole count).
 - A scheduler is known by its gauges. A histogram or counter series under another label set
   (fewer labels, or labels of its own) is joined onto the gauge rows it fits, as the
   tokenizer's are, rather than read as a scheduler without a queue; one that fits none stays a
@@ -59,6 +62,8 @@ _SCHEDULER: tuple[Field, ...] = (
 )
 _TOKENIZER: tuple[Field, ...] = (
     *histogram("request_duration_seconds", "sglang:e2e_request_latency_seconds"),
+    ("prompt_tokens_total", "sglang:prompt_tokens", "counter", ""),
+    ("generation_tokens_total", "sglang:generation_tokens", "counter", ""),
 )
 
 

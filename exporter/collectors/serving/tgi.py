@@ -12,6 +12,9 @@ series: the reading's key is ``router``, and the shards' GPUs come from the conf
 - ``batch_size_*``: the ``tgi_batch_next_size`` histogram: requests per new batch the queue
   hands to the shards. With continuous batching these join the running batch, so this is the
   admission batch size; the running batch's size is ``running``.
+- ``prompt_tokens_total``, ``generation_tokens_total``: the sums of the
+  ``tgi_request_input_length`` and ``tgi_request_generated_tokens`` histograms (observed per
+  successful request, at its end).
 - ``allocation_failures_total``, ``kv_cache_usage_ratio``: ``None``. When the block allocator
   is full the request stays queued, and TGI counts nothing for it.
 """
@@ -33,6 +36,8 @@ _FIELDS: tuple[Field, ...] = (
     *histogram("batch_assembly_delay_seconds", "tgi_request_queue_duration"),
     *histogram("batch_size", "tgi_batch_next_size"),
     *histogram("request_duration_seconds", "tgi_request_duration"),
+    ("prompt_tokens_total", "tgi_request_input_length", "histogram", "_sum"),
+    ("generation_tokens_total", "tgi_request_generated_tokens", "histogram", "_sum"),
 )
 
 

@@ -14,6 +14,8 @@ spans several GPUs; which ones is the configuration's business).
 - ``allocation_failures_total``: ``vllm:num_preemptions`` (exposed as ``..._total``). The V1
   scheduler preempts a running request when it cannot allocate KV-cache blocks for the next
   step, so this counts KV allocation failures (one request can be preempted more than once).
+- ``prompt_tokens_total``, ``generation_tokens_total``: the ``vllm:prompt_tokens`` and
+  ``vllm:generation_tokens`` counters (prefilled prompt tokens, generated tokens).
 - ``batch_size_*``: ``None``; vLLM has no per-batch request count (its
   ``vllm:iteration_tokens_total`` counts tokens per step, not requests).
 """
@@ -41,6 +43,8 @@ _FIELDS: tuple[Field, ...] = (
     ("kv_cache_usage_ratio", "vllm:gpu_cache_usage_perc", "gauge", ""),  # the name before 0.9
     ("kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "gauge", ""),
     ("allocation_failures_total", "vllm:num_preemptions", "counter", ""),
+    ("prompt_tokens_total", "vllm:prompt_tokens", "counter", ""),
+    ("generation_tokens_total", "vllm:generation_tokens", "counter", ""),
     *histogram("batch_assembly_delay_seconds", "vllm:request_queue_time_seconds"),
     *histogram("request_duration_seconds", "vllm:e2e_request_latency_seconds"),
 )

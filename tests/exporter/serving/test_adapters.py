@@ -157,6 +157,8 @@ VLLM = [
         request_duration_seconds_count=1280.0,
         allocation_failures_total=3.0,
         kv_cache_usage_ratio=0.4375,
+        prompt_tokens_total=918432.0,
+        generation_tokens_total=196608.0,
     ),
     ServingReading(
         key=f"engine=1,model_name={LLAMA}",
@@ -169,6 +171,8 @@ VLLM = [
         request_duration_seconds_count=1220.0,
         allocation_failures_total=0.0,
         kv_cache_usage_ratio=0.3125,
+        prompt_tokens_total=877120.0,
+        generation_tokens_total=181248.0,
     ),
 ]
 
@@ -183,6 +187,8 @@ TGI = [
         batch_size_count=389.0,
         request_duration_seconds_sum=4943.984375,
         request_duration_seconds_count=1240.0,
+        prompt_tokens_total=1012480.0,  # the token-count histograms' sums
+        generation_tokens_total=158720.0,
     )
 ]
 
@@ -199,6 +205,9 @@ SGLANG = [
         request_duration_seconds_count=2048.0,
         allocation_failures_total=7.0,
         kv_cache_usage_ratio=0.578125,
+        # the tokenizer's token counters, as its latency: each rank's, whole
+        prompt_tokens_total=2053120.0,
+        generation_tokens_total=419840.0,
     )
     for rank, delay in ((0, 2203.5625), (1, 2205.5625))
 ]

@@ -29,6 +29,8 @@ def worker() -> SimpleNamespace:
         queue=deque([object()] * 5),
         running=3,
         allocation_failures=2,
+        prompt_tokens=2310,  # of the 5 completed requests
+        generation_tokens=412,
         rejected=1,
         requests_done=latency.count,
         request_duration_sum=latency.sum,
@@ -55,6 +57,8 @@ def test_vllm_format_reads_back() -> None:
             request_duration_seconds_count=5.0,
             allocation_failures_total=2.0,
             kv_cache_usage_ratio=0.375,
+            prompt_tokens_total=2310.0,
+            generation_tokens_total=412.0,
         )
     ]
 
@@ -93,5 +97,7 @@ def test_tgi_format_reads_back() -> None:
             batch_size_count=4.0,
             request_duration_seconds_sum=w.latency.sum,
             request_duration_seconds_count=5.0,
+            prompt_tokens_total=2310.0,
+            generation_tokens_total=412.0,
         )
     ]
