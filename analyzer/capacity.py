@@ -366,7 +366,8 @@ def _by_card(
 
 class _BatchLines:
     """Per host, pool and card: its GPUs' batch times against their sizes (what the features'
-    :func:`full_batch_cost` fits), and the largest batch the pool ran."""
+    :func:`full_batch_cost` fits), the tokens per request of what they answered (where their
+    servers count tokens), and the largest batch the pool ran."""
 
     def __init__(
         self,
@@ -375,6 +376,8 @@ class _BatchLines:
         pools: Mapping[tuple[str, str], str],
     ) -> None:
         points: dict[tuple[str, str, str | None], list[tuple[float, float]]] = {}
+        # (answered, prompt tokens, generated tokens) per second, summed over windows
+        tokens: dict[tuple[str, str, str | None], np.ndarray] = {}
         self.largest: dict[tuple[str, str], float] = {}
         for key, indices in rows.items():
             for i in indices:
@@ -382,6 +385,14 @@ class _BatchLines:
                 if not _live(f) or not f.batch_size_mean or f.batch_size_mean < 1:
                     continue
                 pool = (f.host, pools[key])
+                counted = (
+                    f.completions_per_second,
+                    f.prompt_tokens_per_second,
+                    f.generation_tokens_per_second,
+                )
+                if counted[0] and counted[1] is not None and counted[2] is not None:
+                    line = (*pool, f.card)
+                    tokens[line] = tokens.get(line, np.zeros(3)) + np.array(counted, dtype=float)
                 self.largest[pool] = max(self.largest.get(pool, 1.0), f.batch_size_mean)
                 if f.completions_per_second and f.utilization_mean_ratio and not _throttled(f):
                     seconds = f.utilization_mean_ratio * f.batch_size_mean
@@ -389,6 +400,7 @@ class _BatchLines:
                         (f.batch_size_mean, seconds / f.completions_per_second)
                     )
         self.points = {k: np.array(v, dtype=float) for k, v in points.items()}
+        self.tokens = {k: (v[1] / v[0], v[2] / v[0]) for k, v in tokens.items() if v[0] > 0}
         self.pools = pools
 
     def spread(self, frame: GpuFrame) -> bool:
@@ -423,7 +435,13 @@ class _BatchLines:
         )
         if reach <= size:
             return served
-        cost = full_batch_cost(np.stack([points, points]), np.array([size, reach]))
+        prompt, generated = self.tokens.get((*pool, frame.card), (math.nan, math.nan))
+        cost = full_batch_cost(
+            np.stack([points, points]),
+            np.array([size, reach]),
+            np.full(2, prompt),
+            np.full(2, generated),
+        )
         if not np.isfinite(cost).all() or cost[1] <= 0:
             return served
         return served * max(1.0, float(cost[0] / cost[1]))

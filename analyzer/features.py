@@ -35,6 +35,15 @@ BATCH_POINTS = 60
 # request is done; over batches of 1 to 64 the measured prefill and decode times
 # (lab/data, splitwise) give 0.4 to 0.8 for prompts of 256 to 4,096 tokens
 BATCH_TIME_EXPONENT = 0.5
+# where the servers count tokens the prior follows the work's mix instead: a decode step costs
+# about as much as prefilling this many prompt tokens (splitwise's A100 measurements, batch 1:
+# 55 ms a step, 0.38 ms a prompt token; the ratio is a card's tensor throughput over its
+# memory bandwidth, 140 to 400 over today's data-centre and RTX cards) ...
+DECODE_STEP_PROMPT_TOKENS = 150.0
+# ... and batches whose time is all decoding grow as their size to this power (a step hardly
+# grows; a static batch runs until its longest request is done, which a larger batch draws
+# longer), those all prefill as their size
+DECODE_BATCH_EXPONENT = 0.4
 # how much spread of the sizes seen (the sum of squares of ln batch size about its mean)
 # weighs as much as that prior: about eight windows at 1.6 times or 1 / 1.6 of the mean size
 BATCH_TIME_PRIOR = 2.0
@@ -93,6 +102,8 @@ COLUMNS: tuple[str, ...] = (
     "pool_rho_fitted_mean",
     "batch_time_exponent",
     "batch_fit_measured_ratio",
+    "prompt_tokens_per_request",
+    "generation_tokens_per_request",
     "batch_wait_share_estimate",
     "service_class_count",
     "class_duration_ratio",
@@ -151,6 +162,8 @@ _FIELDS: tuple[str, ...] = (
     "class_duration_ratio",
     "kv_cache_usage_ratio",
     "max_batch_size",
+    "prompt_tokens_per_second",
+    "generation_tokens_per_second",
 )
 _NAN = math.nan
 
@@ -454,9 +467,24 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     current[group[by_group], in_group, 0] = np.where(point, size, _NAN)[by_group]
     current[group[by_group], in_group, 1] = c.point_seconds[index][by_group]
     points = np.concatenate([m.batch_points[batch], current], axis=1)
+    # the work's mix on each card of a pool: tokens per request answered in the window
+    answered = col("completions_per_second")
+    prompt_rate = col("prompt_tokens_per_second")
+    generation_rate = col("generation_tokens_per_second")
+    counted = (answered > 0) & ~np.isnan(prompt_rate) & ~np.isnan(generation_rate)
+
+    def group_sum(values: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(np.where(counted, values, 0.0)[by_group], group_start)
+
+    group_answered = group_sum(answered)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        group_prompt = np.where(group_answered > 0, group_sum(prompt_rate) / group_answered, _NAN)
+        group_generation = np.where(
+            group_answered > 0, group_sum(generation_rate) / group_answered, _NAN
+        )
     # priced at the largest batch any GPU of the card there can run
     reach = batch_reach(size, largest, col("max_batch_size"), col("kv_cache_usage_ratio"))
-    fit = batch_time_fit(points)
+    fit = batch_time_fit(points, group_prompt, group_generation)
     cost = fit.cost(np.fmax.reduceat(reach[by_group], group_start))[group]
 
     live = c.live[index]
@@ -613,6 +641,10 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     # how much batching gains on the card (1: none) and how much of that the sizes seen say
     out["batch_time_exponent"] = fit.exponent[group]
     out["batch_fit_measured_ratio"] = fit.measured[group]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own_answered = np.where(answered > 0, answered, _NAN)
+        out["prompt_tokens_per_request"] = prompt_rate / own_answered
+        out["generation_tokens_per_request"] = generation_rate / own_answered
     # the share of a batch cycle spent waiting for the batch to fill
     cycle = delay + c.point_seconds[index]
     out["batch_wait_share_estimate"] = np.where(cycle > 0, delay / cycle, _NAN)
@@ -702,14 +734,22 @@ class BatchTimeFit(NamedTuple):
             return np.exp(self.mean_y + self.exponent * (np.log(largest) - self.mean_x)) / largest
 
 
-def batch_time_fit(points: np.ndarray) -> BatchTimeFit:
+def batch_time_fit(
+    points: np.ndarray,
+    prompt_tokens: np.ndarray | None = None,
+    generation_tokens: np.ndarray | None = None,
+) -> BatchTimeFit:
     """The power law through each row of (batch size, batch time) points (NaN-padded):
     prefill grows with the batch, a decode step hardly does, so a GPU running small batches
     back to back can still have room for more. The exponent a is the least squares slope of
-    ln T on ln b shrunk toward ``BATCH_TIME_EXPONENT`` (a ridge of weight
-    ``BATCH_TIME_PRIOR``), so sizes that spread little say little, and is kept within [0, 1]:
-    a larger batch never takes less time, nor more per request. Its ``measured`` share is the
-    sizes' spread (the sum of squares of ln b about its mean) over itself plus the prior's."""
+    ln T on ln b shrunk toward a prior (a ridge of weight ``BATCH_TIME_PRIOR``), so sizes that
+    spread little say little, and is kept within [0, 1]: a larger batch never takes less time,
+    nor more per request. Its ``measured`` share is the sizes' spread (the sum of squares of
+    ln b about its mean) over itself plus the prior's.
+
+    The prior is :func:`token_exponent` of the row's ``prompt_tokens`` and
+    ``generation_tokens`` per request (NaN: not counted), or ``BATCH_TIME_EXPONENT`` where the
+    tokens are not known."""
     b, t = points[:, :, 0], points[:, :, 1]
     known = (b > 0) & (t > 0)  # a NaN pad is neither
     n = np.count_nonzero(known, axis=1)
@@ -721,9 +761,11 @@ def batch_time_fit(points: np.ndarray) -> BatchTimeFit:
         dx = np.where(known, x - mean_x[:, None], 0.0)
         dy = np.where(known, y - mean_y[:, None], 0.0)
         spread = (dx * dx).sum(axis=1)
-        exponent = ((dx * dy).sum(axis=1) + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (
-            spread + BATCH_TIME_PRIOR
-        )
+        prior = np.full(len(points), BATCH_TIME_EXPONENT)
+        if prompt_tokens is not None and generation_tokens is not None:
+            by_tokens = token_exponent(prompt_tokens, generation_tokens)
+            prior = np.where(np.isnan(by_tokens), prior, by_tokens)
+        exponent = ((dx * dy).sum(axis=1) + BATCH_TIME_PRIOR * prior) / (spread + BATCH_TIME_PRIOR)
     some = n > 0
     return BatchTimeFit(
         mean_x,
@@ -733,11 +775,33 @@ def batch_time_fit(points: np.ndarray) -> BatchTimeFit:
     )
 
 
-def full_batch_cost(points: np.ndarray, largest: np.ndarray) -> np.ndarray:
+def token_exponent(prompt_tokens: np.ndarray, generation_tokens: np.ndarray) -> np.ndarray:
+    """How a batch's time grows with its size, from the work's mix: ``prompt_tokens`` and
+    ``generation_tokens`` per request. With s the prefill's share of one request's time,
+    P / (P + k·G), k the prompt tokens a decode step costs as much as
+    (``DECODE_STEP_PROMPT_TOKENS``), the exponent is s + (1 - s)·``DECODE_BATCH_EXPONENT``:
+    1 for work all prefill, ``DECODE_BATCH_EXPONENT`` for work all decoding. (Prefill grows a
+    little less than the batch, and a larger static batch decodes a longer longest output: at
+    one request's share the two about cancel. Over the lab's measured shapes, batches of 1 to
+    16 and five mixes of 128 to 4,096 prompt and 13 to 256 output tokens, this is within 0.1
+    of the exponent the batch times have.) NaN where a count is unknown or there were no
+    tokens."""
+    decode = DECODE_STEP_PROMPT_TOKENS * generation_tokens
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = prompt_tokens / (prompt_tokens + decode)
+    return share + (1.0 - share) * DECODE_BATCH_EXPONENT
+
+
+def full_batch_cost(
+    points: np.ndarray,
+    largest: np.ndarray,
+    prompt_tokens: np.ndarray | None = None,
+    generation_tokens: np.ndarray | None = None,
+) -> np.ndarray:
     """GPU seconds per request in batches of ``largest``, per row of (batch size, batch time)
-    points (NaN-padded), along :func:`batch_time_fit`'s power law; NaN where there is no
-    point."""
-    return batch_time_fit(points).cost(largest)
+    points (NaN-padded), along :func:`batch_time_fit`'s power law (its prior from the tokens
+    per request where given); NaN where there is no point."""
+    return batch_time_fit(points, prompt_tokens, generation_tokens).cost(largest)
 
 
 def batch_reach(

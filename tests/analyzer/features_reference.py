@@ -3,7 +3,8 @@
 tests/analyzer/test_features_equivalence.py holds today's FeatureBuilder to these numbers: the
 trained model was fitted on them. Kept as it was (a row at a time in Python); change it only
 with a feature's definition, and retrain the model with it (the full-batch cost's power law,
-priced at the batches a GPU can run, 2026-12-05).
+priced at the batches a GPU can run, 2026-12-05; its prior from the work's tokens,
+2026-12-06).
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from gpubalance.analyzer.features import BATCH_TIME_EXPONENT, BATCH_TIME_PRIOR, KV_FULL_RATIO
+from gpubalance.analyzer.features import (
+    BATCH_TIME_EXPONENT,
+    BATCH_TIME_PRIOR,
+    DECODE_BATCH_EXPONENT,
+    DECODE_STEP_PROMPT_TOKENS,
+    KV_FULL_RATIO,
+)
 from gpubalance.analyzer.frames import GpuFrame
 
 # a queue is "waiting work" when it holds at least this share of a batch on average
@@ -77,6 +84,8 @@ COLUMNS: tuple[str, ...] = (
     "pool_rho_fitted_mean",
     "batch_time_exponent",
     "batch_fit_measured_ratio",
+    "prompt_tokens_per_request",
+    "generation_tokens_per_request",
     "batch_wait_share_estimate",
     "service_class_count",
     "class_duration_ratio",
@@ -183,12 +192,18 @@ def _batch_point(frame: GpuFrame) -> tuple[float, float] | None:
 
 
 def _full_batch_fit(
-    points: Sequence[tuple[float, float]], largest: float
+    points: Sequence[tuple[float, float]], largest: float, tokens: tuple[float, float] | None
 ) -> tuple[float, float, float]:
     """GPU seconds per request in batches of ``largest``, from a power law T = c * b ** a
     through the batch times T of batch sizes b: a is the slope of ln T on ln b with a ridge
-    toward BATCH_TIME_EXPONENT, weighing BATCH_TIME_PRIOR of spread, within [0, 1]; with a
-    and the share of a the spread decides."""
+    toward a prior, weighing BATCH_TIME_PRIOR of spread, within [0, 1]; with a and the share
+    of a the spread decides. The prior: BATCH_TIME_EXPONENT, or where ``tokens`` (prompt and
+    generated per request) are known, the prefill's share s of one request's time,
+    P / (P + DECODE_STEP_PROMPT_TOKENS * G), plus DECODE_BATCH_EXPONENT of the rest."""
+    prior = BATCH_TIME_EXPONENT
+    if tokens is not None and tokens[0] + tokens[1] > 0:
+        share = tokens[0] / (tokens[0] + DECODE_STEP_PROMPT_TOKENS * tokens[1])
+        prior = share + (1 - share) * DECODE_BATCH_EXPONENT
     if not points:
         return math.nan, math.nan, math.nan
     n = len(points)
@@ -197,10 +212,30 @@ def _full_batch_fit(
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
     sxx = sum((x - mean_x) ** 2 for x in xs)
-    exponent = (sxy + BATCH_TIME_PRIOR * BATCH_TIME_EXPONENT) / (sxx + BATCH_TIME_PRIOR)
+    exponent = (sxy + BATCH_TIME_PRIOR * prior) / (sxx + BATCH_TIME_PRIOR)
     exponent = min(1.0, max(0.0, exponent))
     cost = math.exp(mean_y + exponent * (math.log(largest) - mean_x)) / largest
     return cost, exponent, sxx / (sxx + BATCH_TIME_PRIOR)
+
+
+def _tokens_per_request(pool: Sequence[GpuFrame], card: str | None) -> tuple[float, float] | None:
+    """Prompt and generated tokens per request answered on the pool's GPUs of ``card``, over
+    those whose servers count both; None where none does."""
+    counted = [
+        f
+        for f in pool
+        if f.card == card
+        and (f.completions_per_second or 0.0) > 0
+        and f.prompt_tokens_per_second is not None
+        and f.generation_tokens_per_second is not None
+    ]
+    answered = sum(_nan(f.completions_per_second) for f in counted)
+    if not counted or answered <= 0:
+        return None
+    return (
+        sum(_nan(f.prompt_tokens_per_second) for f in counted) / answered,
+        sum(_nan(f.generation_tokens_per_second) for f in counted) / answered,
+    )
 
 
 def _reach(frame: GpuFrame, largest: float) -> float:
@@ -273,7 +308,9 @@ class FeatureBuilder:
                             if f.card == frame.card and (point := seen[f.uuid]) is not None
                         ]
                         reach = max(_reach(f, largest) for f in pool if f.card == frame.card)
-                        fits[frame.card] = _full_batch_fit(points, reach)
+                        fits[frame.card] = _full_batch_fit(
+                            points, reach, _tokens_per_request(pool, frame.card)
+                        )
                 base = [
                     self._base(f, p, largest, card_best, fits[f.card])
                     for f, p in zip(pool, mine, strict=True)
@@ -496,6 +533,10 @@ class FeatureBuilder:
             "pool_rho_fitted_mean": _mean(pool_fitted),
             "batch_time_exponent": own["exponent"],
             "batch_fit_measured_ratio": own["measured"],
+            "prompt_tokens_per_request": _per_request(frame.prompt_tokens_per_second, frame),
+            "generation_tokens_per_request": _per_request(
+                frame.generation_tokens_per_second, frame
+            ),
             # the share of a batch cycle spent waiting for the batch to fill
             "batch_wait_share_estimate": delay / (delay + busy) if delay + busy > 0 else math.nan,
             "rho_estimate_ratio": rho,
@@ -555,3 +596,9 @@ class FeatureBuilder:
             past.saturated,
         ):
             del series[: -self.history_windows]
+
+
+def _per_request(tokens_per_second: float | None, frame: GpuFrame) -> float:
+    """Tokens per request the frame's GPU answered (NaN where it answered none)."""
+    answered = _nan(frame.completions_per_second)
+    return _nan(tokens_per_second) / answered if answered > 0 else math.nan

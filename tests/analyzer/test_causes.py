@@ -95,6 +95,27 @@ def test_a_gpu_whose_batches_fill_as_it_waits_is_not_starved_by_them() -> None:
     assert not named.waiting.any()
 
 
+def test_a_gpu_whose_feeder_is_pinned_and_whose_work_is_light_is_starved_by_its_host() -> None:
+    # the shipped host-bound server: GPU 2's feeder runs at its one core and the GPU, with
+    # nothing queued, has work for under 30 % of the window at full batches; starved by its
+    # host by its truth. Half the probability on balanced, half on starved/host_bound (what
+    # the shipped model gave it, under the verdict's 0.6) all goes to starved/host_bound
+    document = yaml.safe_load(scenario.scenario_path("host-bound").read_text())
+    table, rows = truth_of_features(Example("host-bound", "host-bound", document, 1, 300.0))
+    named = causes.named(table)
+    gpu2 = [i for i, f in enumerate(table.frames) if f.gpu == 2 and rows[i] is not None]
+    late = [i for i in gpu2 if f"{rows[i].state}/{rows[i].cause}" == "starved/host_bound"]
+    assert len(late) >= 5 and all(named.held_back[i] for i in late)
+    classes = np.array(["balanced/none", "starved/host_bound", "starved/low_demand"])
+    even = np.tile([0.5, 0.4, 0.1], (len(table.frames), 1))
+    moved = causes.apply(even, classes, table)
+    assert moved[late].tolist() == [[0.0, 1.0, 0.0]] * len(late)
+    # a balanced server's feeders are not pinned: nothing named
+    balanced = yaml.safe_load(scenario.scenario_path("balanced-4x4090").read_text())
+    table, _ = truth_of_features(Example("balanced", "balanced", balanced, 1, 240.0))
+    assert not causes.named(table).held_back.any()
+
+
 def test_the_model_names_batch_delay_on_a_server_it_was_not_trained_on() -> None:
     # one generated batch-wait server teaches batch_delay; the shipped batch-delay run (other
     # cards, model and rates) is starved/batch_delay in every window by its truth

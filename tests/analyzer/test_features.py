@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
+from gpubalance.analyzer.features import (
+    COLUMNS,
+    FeatureBuilder,
+    FeatureTable,
+    batch_time_fit,
+)
 from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario
@@ -125,3 +130,27 @@ def test_kv_cache_usage_shows_memory_pressure(tmp_path: Path) -> None:
     assert (
         float(np.nanmedian(usage)) > 0.1 > float(np.nanmax(healthy.column("kv_cache_usage_ratio")))
     )
+
+
+def test_the_batch_time_prior_follows_the_works_tokens() -> None:
+    """Batches of one size say nothing of how their time grows: the exponent is the prior,
+    the prefill's share s of one request's time (P / (P + 150 G)) plus 0.4 of the rest where
+    the servers count tokens, 0.5 where they do not; sizes that spread decide over it."""
+    one_size = np.array([[[4.0, 0.5]] * 5])
+    assert batch_time_fit(one_size).exponent[0] == 0.5
+    share = 2000 / (2000 + 150 * 10)
+    prefill = batch_time_fit(one_size, np.array([2000.0]), np.array([10.0]))
+    assert prefill.exponent[0] == pytest.approx(share + (1 - share) * 0.4)  # 0.74
+    assert prefill.measured[0] == 0.0
+    decode = batch_time_fit(one_size, np.array([100.0]), np.array([200.0]))
+    assert decode.exponent[0] == pytest.approx(0.4, abs=0.01)
+    unknown = batch_time_fit(one_size, np.array([math.nan]), np.array([10.0]))
+    assert unknown.exponent[0] == 0.5
+    # batch time growing as the batch (prefill-bound) across sizes 1 to 16: the sizes' spread
+    # (the sum of squares of ln b about its mean) weighs against the prior's 2
+    sizes = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    linear = np.array([[[b, 0.1 * b] for b in sizes]])
+    spread = float(((np.log(sizes) - np.log(sizes).mean()) ** 2).sum())  # 4.80
+    fit = batch_time_fit(linear, np.array([100.0]), np.array([200.0]))
+    assert fit.exponent[0] == pytest.approx((spread + 2 * decode.exponent[0]) / (spread + 2))
+    assert fit.measured[0] == pytest.approx(spread / (spread + 2))  # 0.71

@@ -149,6 +149,9 @@ FEATURE_TOLERANCES.update(
         "queue_slope_batches_per_window": (0.1, 0),  # plus a share of the queue
         "throughput_vs_peers_ratio": (0.1, 0.4),
         "throughput_vs_own_best_ratio": (0.1, 0.3),
+        # a mean over the requests each source sees answered in the window
+        "prompt_tokens_per_request": (5.0, 0.25),
+        "generation_tokens_per_request": (2.0, 0.25),
     }
 )
 # estimates against a capacity from the GPU's own past (its best, its batch-time fit): as the
