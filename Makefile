@@ -14,9 +14,12 @@ REPEAT_JOBS ?= 1
 REPEAT_FAILURES ?= test-repeat-failures.txt
 # pytest-xdist workers of `make test` (the CI machine has 2 cores)
 TEST_JOBS ?= 2
-# `make eval` and `make model`: variants per scenario family
+# `make eval`: variants per scenario family it judges; TRAIN_COUNT: variants per family that
+# train `make model`'s model and `make eval`'s folds (at least EVAL_COUNT; the first EVAL_COUNT
+# of each are the judged ones)
 # GENTD: the Alibaba GenTD26 folder, for `make eval` to check on it too
 EVAL_COUNT ?= 8
+TRAIN_COUNT ?= 16
 GENTD ?=
 
 .PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak eval model clean
@@ -82,12 +85,13 @@ soak: venv system-deps fakenvml
 
 # the model gpubalance ships (the analyzer's default classifier), with its report beside it
 model: venv
-	$(PY) -m gpubalance analyzer train --count $(EVAL_COUNT) --seed 1 --out analyzer/models/default.skops
+	$(PY) -m gpubalance analyzer train --count $(TRAIN_COUNT) --seed 1 --out analyzer/models/default.skops
 
 # held-out verdict scores beside the baselines -> analyzer/EVALUATION.md and its plots
 eval: venv
 	$(PY) -m pip install -q -e '.[test,bench]'
-	$(PY) -m gpubalance analyzer evaluate --count $(EVAL_COUNT) --model-out build/eval/model.skops
+	$(PY) -m gpubalance analyzer evaluate --count $(EVAL_COUNT) --train-count $(TRAIN_COUNT) \
+	  --model-out build/eval/model.skops
 	@if [ -n "$(GENTD)" ]; then \
 	  $(PY) -m gpubalance analyzer check-gentd "$(GENTD)" --model build/eval/model.skops \
 	    --report analyzer/EVALUATION.md; \

@@ -156,9 +156,10 @@ def generated_examples(
 def soak_examples(
     count: int, seed: int, gpu_hours: float, run_seconds: float = SOAK_RUN_SECONDS
 ) -> list[Example]:
-    """Variants of :data:`SOAK_FAMILY` past the ``count`` the evaluation trains and judges
-    (the same draw, later variants: new runs), each ``run_seconds`` long, until their GPUs
-    times their duration reach ``gpu_hours``."""
+    """Variants of :data:`SOAK_FAMILY` past the ``count`` the evaluation judges (the same
+    draw, later variants: new runs, which the fold that judges them, holding the family out,
+    never trained on), each ``run_seconds`` long, until their GPUs times their duration reach
+    ``gpu_hours``."""
     from gpubalance.lab import generate
 
     examples: list[Example] = []
@@ -262,11 +263,21 @@ def evaluate(
     jobs: int = 1,
     stage: Stage | None = None,
     make: Callable[[], GpuStateClassifier] | None = None,
+    train_count: int | None = None,
 ) -> Evaluation:
-    """Run, fit and judge everything the report shows (see the module's docstring)."""
+    """Run, fit and judge everything the report shows (see the module's docstring).
+
+    ``count`` variants of each family are judged, by the fold that held the family out;
+    ``train_count`` (default ``count``, at least it) of each family train the folds and the
+    final model: more variants of the other families make broader training data, and the
+    held-out family's own are never a fold's (variant i is the same whatever the count)."""
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     make = make or functools.partial(GpuStateClassifier, random_state=seed)
-    examples = generated_examples(families, count, seed, duration_seconds)
+    train_count = count if train_count is None else train_count
+    if train_count < count:
+        raise ValueError(f"train_count {train_count} must be at least count {count}")
+    examples = generated_examples(families, train_count, seed, duration_seconds)
+    judged = {e.name for e in generated_examples(families, count, seed, duration_seconds)}
     dataset = train.build_dataset(
         examples, workers=jobs, progress=_stage(stage, "running generated scenarios", len(examples))
     )
@@ -276,10 +287,10 @@ def evaluate(
     generated = []
     by_name = {example.name: example for example in examples}
     groups = np.asarray(dataset.groups)
-    advance = _stage(stage, "verdicts", len(set(dataset.runs)))
+    advance = _stage(stage, "verdicts", len(judged))
     for family in held:
         rows = dataset.subset(groups == family)
-        for run in sorted(set(rows.runs)):
+        for run in sorted(set(rows.runs) & judged):
             part = rows.subset(np.asarray(rows.runs) == run)
             generated.append(_judge(by_name[run], part, models[family]))
             if advance is not None:
@@ -320,6 +331,7 @@ def evaluate(
     settings = {
         "families": list(families),
         "count": count,
+        "train_count": train_count,
         "seed": seed,
         "duration_seconds": duration_seconds,
         "jobs": jobs,
@@ -698,8 +710,13 @@ def report_markdown(evaluation: Evaluation, command: str, figures: Mapping[str, 
         f"Written by `{command}` (gpubalance {evaluation.versions.get('gpubalance', '?')}, "
         f"commit {(evaluation.commit or 'unknown')[:7]}) in {evaluation.wall_seconds / 60:.1f} "
         f"min with {s['jobs']} job(s), {evaluation.cpu_seconds / 60:.1f} CPU-minutes: "
-        f"{len(s['families'])} families x {s['count']} variant(s), "
-        f"seed {s['seed']}, "
+        f"{len(s['families'])} families x {s['count']} variant(s) judged"
+        + (
+            f" ({s['train_count']} of each train the folds and the final model)"
+            if s.get("train_count", s["count"]) != s["count"]
+            else ""
+        )
+        + f", seed {s['seed']}, "
         + (
             f"{s['duration_seconds']:g} s each"
             if s["duration_seconds"]

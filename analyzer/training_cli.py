@@ -87,6 +87,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _data_options(evaluate, DEFAULT_COUNT)
     evaluate.add_argument("--out", type=Path, default=DEFAULT_REPORT, metavar="FILE.md")
     evaluate.add_argument(
+        "--train-count",
+        type=positive_int,
+        metavar="N",
+        help="variants per family that train the folds and the model, --count or more "
+        "(default: --count); the first --count of each are judged",
+    )
+    evaluate.add_argument(
         "--model-out",
         type=Path,
         metavar="FILE.skops",
@@ -228,6 +235,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 ),
                 jobs=args.jobs,
                 stage=stage,
+                train_count=args.train_count,
             )
     except ValueError as exc:
         print(f"gpubalance analyzer evaluate: {_too_little(exc)}", file=sys.stderr)
@@ -291,6 +299,8 @@ def _command(args: argparse.Namespace) -> str:
     from gpubalance.lab.generate import family_names
 
     words = ["gpubalance", "analyzer", "evaluate", "--count", str(args.count)]
+    if args.train_count is not None:
+        words += ["--train-count", str(args.train_count)]
     words += ["--seed", str(args.seed)]
     if args.families != family_names("all"):
         words += ["--families", ",".join(args.families)]

@@ -120,6 +120,11 @@ def test_the_soak_is_later_variants_until_the_gpu_time_asked() -> None:
     assert {e.duration_seconds for e in soak} == {600.0}
 
 
+def test_fewer_training_variants_than_judged_ones_are_refused() -> None:
+    with pytest.raises(ValueError, match="train_count 1 must be at least count 2"):
+        evaluate.evaluate(["balanced-pool"], 2, 1, train_count=1)
+
+
 def test_an_unknown_family_is_named() -> None:
     with pytest.raises(ValueError, match="no-such-family"):
         evaluate.family_list("balanced-pool,no-such-family")
@@ -141,9 +146,15 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         soak_run_seconds=300,
         jobs=1,
         make=lambda: evaluate.GpuStateClassifier(max_iter=20),
+        train_count=2,
     )
-    # every held-out window was judged by each classifier, by the fold that held it out
+    # every held-out window was judged by each classifier, by the fold that held it out: the
+    # first variant of each family (count 1), where two of each trained the folds
     assert {r.family for r in result.generated} == {"balanced-pool", "weighted-skew"}
+    assert {r.name for r in result.generated} == {
+        e.name for e in evaluate.generated_examples(["balanced-pool", "weighted-skew"], 1, 1)
+    }
+    assert result.data["runs"] == 4
     for run in result.generated:
         assert set(run.said) == {*evaluate.JUDGES, evaluate.RAW, evaluate.LATE}
         assert run.said[evaluate.LATE] == evaluate.late_labels(run.keys, run.truth)
