@@ -146,8 +146,8 @@ def apply(probabilities: np.ndarray, classes: np.ndarray, table: FeatureTable) -
         return out
     names = named(table)
     labels = [str(c).split("/", 1) for c in classes]
-    # (a host-bound row is named after a batch-bound one: the host comes first in the
-    # ground truth's decisions, and a row's starved cause is one of them)
+    # (apart: a row's starved cause is host_bound or batch_delay, the host's first as in the
+    # ground truth's decisions)
     for rows_of, label in (
         (names.waiting, "starved/batch_delay"),
         (names.held_back, "starved/host_bound"),
