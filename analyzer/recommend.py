@@ -568,9 +568,9 @@ class _Pool:
         )
 
     def _capacity_weights(self, new: Mapping[int, float] | None = None) -> dict[int, float] | None:
-        """Shares of the pool's offered load: GPUs that cannot take more keep theirs (a down
-        one none), the rest, with ``new`` GPUs (index -> capacity), go by capacity; None when
-        a GPU's capacity is unknown."""
+        """Shares of the pool's offered load by capacity, ``new`` GPUs (index -> capacity)
+        included; GPUs that cannot take more keep at most theirs (a down one none: one held
+        back by its memory may still shed work); None when a free GPU's capacity is unknown."""
         limited, down = self._limited(), {h.verdict.gpu for h in self._down(self.known)}
         now = self._shares_now()
         total = sum(now.values())
@@ -578,7 +578,16 @@ class _Pool:
         free.update(new or {})
         if total <= 0 or not free or not all(free.values()):
             return None
-        weights = {g: 0.0 if g in down else now.get(g, 0.0) / total for g in limited}
+        # what each GPU would get were none of them held back
+        every = {g: c.capacity_per_second or 0.0 for g, c in self.gpus.items() if g not in down}
+        every.update(new or {})
+        whole = sum(every.values())
+        weights: dict[int, float] = {}
+        for g in limited:
+            share = 0.0 if g in down else now.get(g, 0.0) / total
+            if every.get(g) and whole > 0:
+                share = min(share, every[g] / whole)
+            weights[g] = share
         rest = max(0.0, 1.0 - sum(weights.values()))
         capacity = sum(c or 0.0 for c in free.values())
         weights.update({g: rest * (c or 0.0) / capacity for g, c in free.items()})

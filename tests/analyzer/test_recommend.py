@@ -220,7 +220,8 @@ def _by_labels(frames: list[GpuFrame], labels: dict[int, str]) -> tuple[Recommen
     return Recommender().recommend(diagnosis, table, frames[-1].t_end)
 
 
-def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
+def _one_hot(gpu_0: dict[str, object], gpu_1: dict[str, object]) -> list[GpuFrame]:
+    """Four windows of three GPUs: GPU 0 busy, queue growing, serving 10/s; 1 and 2 at 1/s."""
     frames = []
     for w in range(4):
         frames += [
@@ -232,10 +233,16 @@ def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
                 batch_size_mean=8.0,
                 completions_per_second=10.0,
                 queue_depth_slope_per_second=0.5,
+                **gpu_0,
             ),
-            _frame(1, w, completions_per_second=1.0, feeder_cpu_cores_max=1.0),
+            _frame(1, w, completions_per_second=1.0, **gpu_1),
             _frame(2, w, completions_per_second=1.0),
         ]
+    return frames
+
+
+def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
+    frames = _one_hot({}, {"feeder_cpu_cores_max": 1.0})
     found = _by_labels(
         frames, {0: "overloaded/routing_skew", 1: "starved/host_bound", 2: "starved/routing_skew"}
     )
@@ -245,6 +252,23 @@ def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
     assert weights["gpu:1"] == pytest.approx(1.0 / 12.5, abs=0.01)
     assert weights["gpu:0"] == pytest.approx(weights["gpu:2"])
     assert "feeding process" in found[1].reason or "CPU" in found[1].reason
+
+
+def test_an_overloaded_gpu_short_of_memory_still_sheds_work() -> None:
+    # GPU 0 is held back by its memory: more work would not help it, but less does
+    frames = _one_hot({"memory_used_bytes": 23 * 2**30}, {})
+    found = _by_labels(
+        frames,
+        {0: "overloaded/memory_pressure", 1: "starved/routing_skew", 2: "starved/routing_skew"},
+    )
+    assert _actions(found)[0] == ("set_weights", "pool:llama")
+    weights = _shares(found[0])
+    # it is offered more than it serves (10 of 12/s and a growing queue): its share shrinks,
+    # never grows, and the others split what it sheds alike
+    assert weights["gpu:0"] < 10.0 / 12.0 - 0.1
+    assert weights["gpu:1"] == pytest.approx(weights["gpu:2"])
+    expected = found[0].expected
+    assert expected is not None and expected.rho_after[0] < expected.rho_before[0]
 
 
 def test_no_weights_rest_on_an_unmeasured_capacity() -> None:
