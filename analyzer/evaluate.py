@@ -630,6 +630,8 @@ def recommendation_errors(
     errors: list[float] = []
     idle_errors: list[float] = []
     parts: dict[str, list[float]] = {}
+    # (family, action) -> the |errors| of its GPUs
+    cells: dict[tuple[str, str], list[float]] = {}
     outcomes = 0
     first = {}
     for example in examples:
@@ -638,6 +640,9 @@ def recommendation_errors(
         found = apply.outcomes(example.document, example.name, example.seed, models[family])
         outcomes += len(found)
         errors += apply.rho_errors(found)
+        for o in found:
+            if o.rho_error is not None and not o.taken_out:
+                cells.setdefault((str(family), o.action), []).append(o.rho_error)
         for part, values in apply.error_parts(found).items():
             parts.setdefault(part, []).extend(values)
         idle_errors += [
@@ -658,6 +663,11 @@ def recommendation_errors(
             part: (len(values), statistics.median(values))
             for part, values in parts.items()
             if values
+        },
+        # where it is made: (family, action) -> (GPUs, median |Δρ|, largest)
+        "cells": {
+            key: (len(values), statistics.median(values), max(values))
+            for key, values in sorted(cells.items())
         },
     }
 
@@ -923,6 +933,23 @@ def _recommendation_lines(figures: Mapping[str, Any]) -> list[str]:
         f"{_f(figures['rho_error_p90'])} | ≤ {TARGETS['rho_error_median']} | "
         f"{_f(figures['idle_error_median'])} |",
         *_error_part_lines(figures.get("parts") or {}),
+        *_error_cell_lines(figures.get("cells") or {}),
+    ]
+
+
+def _error_cell_lines(cells: Mapping[tuple[str, str], Any]) -> list[str]:
+    if not cells:
+        return []
+    return [
+        "",
+        "Per family and action: the GPUs whose ρ after was predicted and realised.",
+        "",
+        "| family | action | GPUs | median abs ρ error | largest |",
+        "|---|---|---:|---:|---:|",
+        *(
+            f"| `{family}` | {action} | {count} | {_f(median)} | {_f(largest)} |"
+            for (family, action), (count, median, largest) in cells.items()
+        ),
     ]
 
 

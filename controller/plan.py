@@ -292,7 +292,7 @@ def _shares(
     if max(shares.values()) <= 0:
         return refuse("bad_parameters", f"set_weights of {rec.target} gives every worker 0")
     if observed.algorithms.get(servers[0].backend) == "leastconn":
-        shares = _per_connection(shares, weights, rec)
+        shares = per_connection_weights(shares, weights, rec)
     current = {s.server: s.weight for s in servers}
     if {s.server for s in observed.pool(servers[0].backend)} == set(current):
         # the whole backend: only the proportions route, and any scale of them will do
@@ -302,7 +302,7 @@ def _shares(
     return [_Want(server, "weight", weights[server.server]) for server in servers]
 
 
-def _per_connection(
+def per_connection_weights(
     shares: Mapping[str, float], items: Sequence[Mapping[str, object]], rec: Recommendation
 ) -> dict[str, float]:
     """What to weigh each server by for `shares` on a leastconn backend: HAProxy evens out

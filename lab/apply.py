@@ -31,6 +31,7 @@ from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.recommend import Recommender
 from gpubalance.analyzer.verdict import Classifier, Verdicts
 from gpubalance.config import validate
+from gpubalance.controller.plan import per_connection_weights
 from gpubalance.diagnosis import Recommendation
 from gpubalance.lab import traffic, truth
 from gpubalance.lab.catalogue import CARDS
@@ -250,12 +251,12 @@ def apply(
     serving = {g.index: _workers(resolved, pool, g.index) for g in resolved.gpus}
     action = recommendation.action
     if action == "set_weights":
-        _weights_at(doc, serving, _by_gpu(params["weights"]), at)
+        _weights_at(doc, serving, recommendation, at)
     elif action in ("drain", "remove_worker"):
         names = serving[int(str(params["gpu"]))]
         _event(doc, at, {"router": {"weights": dict.fromkeys(names, 0.0)}})
     elif action == "scale_out":
-        _scale_out(doc, resolved, serving, params, at)
+        _scale_out(doc, resolved, serving, recommendation, at)
     elif action == "tune_batching":
         names = set(serving[int(str(params["gpu"]))])
         for entry in doc["workers"]:
@@ -308,18 +309,30 @@ def _event(doc: dict[str, Any], at: float, action: dict[str, Any]) -> None:
 
 
 def _weights_at(
-    doc: dict[str, Any], serving: Mapping[int, list[str]], weights: Mapping[int, float], at: float
+    doc: dict[str, Any],
+    serving: Mapping[int, list[str]],
+    recommendation: Recommendation,
+    at: float,
 ) -> None:
-    """The balancer spreads by these per-GPU weights (split over a GPU's workers) from ``at``:
-    weighted round robin, as HAProxy's roundrobin with server weights does (sticky sessions
-    no longer stick); a capacity-aware policy stays, weights 0 taking GPUs out."""
-    if doc["router"].get("policy", "round_robin") not in truth.CAPACITY_AWARE:
+    """The balancer spreads by the recommendation's per-GPU shares (split over a GPU's
+    workers) from ``at``, weighed as the controller weighs HAProxy's servers: weighted round
+    robin, as roundrobin with server weights does (sticky sessions no longer stick); least
+    connections stays, each worker weighed by its share over its GPU's capacity (it is sent
+    its weight times its capacity); the other capacity-aware policies stay, weights 0 taking
+    GPUs out."""
+    policy = doc["router"].get("policy", "round_robin")
+    if policy not in truth.CAPACITY_AWARE:
         doc["router"]["policy"] = "weighted_round_robin"
-    by_worker: dict[str, float] = {}
-    for gpu, weight in weights.items():
+    shares: dict[str, float] = {}
+    items: list[dict[str, object]] = []
+    for gpu, share in _by_gpu(recommendation.parameters["weights"]).items():
         names = serving.get(gpu, [])
         for name in names:
-            by_worker[name] = round(weight / len(names), 6)
+            shares[name] = share / len(names)
+            items.append({"worker": name, "gpu": gpu})
+    if policy == "least_connections":
+        shares = per_connection_weights(shares, items, recommendation)
+    by_worker = {name: round(weight, 6) for name, weight in shares.items()}
     _event(doc, at, {"router": {"weights": by_worker}})
 
 
@@ -327,9 +340,10 @@ def _scale_out(
     doc: dict[str, Any],
     resolved: Plan,
     serving: dict[int, list[str]],
-    params: Mapping[str, object],
+    recommendation: Recommendation,
     at: float,
 ) -> None:
+    params = recommendation.parameters
     count = int(str(params["gpus"]))
     card = next((key for key, spec in CARDS.items() if spec.model == params.get("card")), None)
     # the new workers are copies of one on a card of the kind added (batch sizes follow cards)
@@ -356,4 +370,4 @@ def _scale_out(
         serving[first + k] = [name]
     # the new workers take work from T on, spread as the recommendation weighs the pool
     doc["router"]["weights"] = {**doc["router"].get("weights", {}), **dict.fromkeys(added, 0.0)}
-    _weights_at(doc, serving, _by_gpu(params["weights"]), at)
+    _weights_at(doc, serving, recommendation, at)

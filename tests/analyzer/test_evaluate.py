@@ -190,6 +190,12 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
         assert needle in text
     # the error taken apart, where the lab applied something
     assert ("What the error is made of" in text) == bool(result.recommendations["parts"])
+    # and where: one row per family and action, its GPUs adding up to the errors' count
+    cells = result.recommendations["cells"]
+    assert ("Per family and action" in text) == bool(cells)
+    for (family, action), (count, median, largest) in cells.items():
+        assert f"| `{family}` | {action} | {count} |" in text
+        assert 0 <= median <= largest
     assert (tmp_path / "evaluation-confusion.png").stat().st_size > 0
     assert (tmp_path / "evaluation-families.png").stat().st_size > 0
     # written again, the section is replaced, not repeated

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from gpubalance.analyzer.baselines import QueueUtilization
 from gpubalance.config import load_yaml, validate
 from gpubalance.diagnosis import ExpectedEffect, Recommendation
-from gpubalance.lab import apply
+from gpubalance.lab import apply, traffic, truth
 from gpubalance.lab.scenario import Scenario, plan, scenario_path
 
 
@@ -122,6 +123,39 @@ def test_set_weights_becomes_weighted_round_robin_from_t() -> None:
     ]
     assert document["events"][0]["at"] == 240  # the caller's document is left alone
     validate(Scenario, changed, source="changed")
+
+
+def test_on_least_connections_each_worker_is_weighed_by_its_share_over_its_capacity() -> None:
+    # as the controller weighs a leastconn backend: the balancer sends a worker its weight
+    # times its capacity, so the shares asked for are the shares routed
+    document = _document("skewed-heterogeneous")
+    document["router"] = {**document["router"], "policy": "least_connections"}
+    resolved = plan(validate(Scenario, document, source="x"), "x")
+    duration = resolved.scenario.duration_seconds
+    requests = traffic.generate(resolved.scenario.traffic, duration, 1)
+    rows = truth.compute(resolved, requests, duration)
+    # three RTX 4090s and an RTX 3090: the shares by capacity, as the truth prices them
+    capacity = {row.gpu: row.capacity_share for row in rows if row.t_start == 0}
+    assert min(capacity.values()) < 0.9 * max(capacity.values())
+    weights = [{"gpu": g, "worker": f"w{g}", "weight": c} for g, c in sorted(capacity.items())]
+    recommendation = dataclasses.replace(
+        _recommendation("set_weights", {"weights": weights}),
+        parameters={"pool": "llama-3.2-3b", "weights": weights},
+        expected=ExpectedEffect({}, {}, None, None, capacity_per_second=capacity),
+    )
+    changed = apply.apply(document, resolved, recommendation, 150)
+    assert changed["router"]["policy"] == "least_connections"
+    # capacity shares come out as equal weights: leastconn already sends a slow card less
+    (event,) = [e for e in changed["events"] if "router" in e]
+    assert event["at"] == 150.0
+    assert set(event["router"]["weights"].values()) == {1.0}
+    # and route as leastconn does unweighted (the scenario's own weights 8:2:2:1 skew it)
+    after = truth.compute(plan(validate(Scenario, changed, source="y"), "y"), requests, duration)
+    document["router"] = {"policy": "least_connections"}
+    plain = truth.compute(plan(validate(Scenario, document, source="z"), "z"), requests, duration)
+    shares = [(r.t_start, r.gpu, r.share_of_pool_work) for r in after if r.t_start >= 150]
+    assert shares == [(r.t_start, r.gpu, r.share_of_pool_work) for r in plain if r.t_start >= 150]
+    assert max(r.share_of_pool_work for r in rows if r.gpu == 0) > 0.5
 
 
 def test_a_drain_takes_the_gpu_out_of_rotation_at_t() -> None:
