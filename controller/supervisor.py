@@ -352,11 +352,11 @@ def _parent(pid: int) -> int:
 class Supervisor:
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
-        # started here, reaped as they exit -> the port each was given
-        self._children: dict[subprocess.Popen[bytes], int] = {}
+        # started here, reaped as they exit -> the worker each is
+        self._children: dict[subprocess.Popen[bytes], WorkerProcess] = {}
 
     def _reap(self) -> None:
-        self._children = {c: port for c, port in self._children.items() if c.poll() is None}
+        self._children = {c: w for c, w in self._children.items() if c.poll() is None}
 
     def _marked(self) -> dict[int, dict[str, str]]:
         """PID -> environment of each live process this supervisor started (and their
@@ -384,6 +384,10 @@ class Supervisor:
             except (KeyError, ValueError):
                 continue  # marked by hand, not by start()
             workers.append(WorkerProcess(gpu, pool, pid, self.config.host, port, started, False))
+        # a child just started may not show its environment yet (the kernel sets it up after
+        # the exec that Popen waits for): it is running, and it is the worker it was started as
+        seen = {w.pid for w in workers}
+        workers += [w for w in self._children.values() if w.pid not in seen]
         return workers
 
     async def observe(self, session: aiohttp.ClientSession) -> dict[int, WorkerProcess]:
@@ -395,9 +399,10 @@ class Supervisor:
         if gpu not in self.config.gpus:
             raise SupervisorError(f"GPU {gpu} is not among the managed GPUs {self.config.gpus}")
         check_name("pool", pool)
-        # and the ports of workers started here that /proc may not show as ours yet: a worker
-        # binds its port only once loaded, so another start must not be given it meanwhile
-        taken = {w.port for w in self.processes()} | set(self._children.values())
+        # the workers' ports, those started here that /proc does not show as ours yet among
+        # them: a worker binds its port only once loaded, so another start must not be given
+        # it meanwhile
+        taken = {w.port for w in self.processes()}
         port = free_port(self.config, taken)
         argv = self.config.argv(gpu, port, pool)
         started = time.time()
@@ -425,8 +430,9 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r} for GPU {gpu}: {exc}") from exc
-        self._children[process] = port
-        return WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
+        worker = WorkerProcess(gpu, pool, process.pid, self.config.host, port, started, False)
+        self._children[process] = worker
+        return worker
 
     def log_path(self, gpu: int) -> Path:
         return self.config.state_dir / "logs" / f"gpu{gpu}.log"

@@ -13,6 +13,7 @@ from controller_harness import kill_workers, workers_config
 from pydantic import ValidationError
 
 from gpubalance.controller.supervisor import (
+    MARK,
     Supervisor,
     SupervisorError,
     WorkersConfig,
@@ -75,6 +76,27 @@ def test_a_loading_worker_is_seen_but_not_ready(tmp_path: Path) -> None:
                     await wait_ready(supervisor, http, 0, timeout_seconds=0.2)
             finally:
                 await supervisor.stop(started)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_started_here_is_seen_before_proc_shows_it_as_ours(tmp_path: Path) -> None:
+    # the kernel sets a new program's environment up just after the exec Popen waits for:
+    # for that moment /proc shows no mark, and a worker observed then is no worker exited.
+    # Here the mark stays away for good (the command drops it), and the worker is still seen
+    config = workers_config(tmp_path)
+    config = config.model_copy(update={"command": ("env", "-u", MARK, *config.command)})
+    supervisor = Supervisor(config)
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            started = supervisor.start(0, "be_a")
+            try:
+                ready = await wait_ready(supervisor, http, 0)
+                assert (ready.pid, ready.port, ready.pool) == (started.pid, started.port, "be_a")
+            finally:
+                await supervisor.stop(started)
+            assert 0 not in await supervisor.observe(http)  # and once it has exited, it is not
 
     asyncio.run(scenario())
 
