@@ -83,6 +83,11 @@ class GpuFrame:
     # the slowest service class's mean request duration over the fastest's, where the GPU's
     # queues report classes apart (None: fewer than two classes completed in the window)
     class_duration_ratio: float | None = None
+    # the slowest service class's share of the time the GPU's requests spent being served
+    # (duration less the wait for a batch, summed per class): its share of the GPU's work,
+    # where a batch is held for its longest request (None: fewer than two classes completed,
+    # or a class's batch wait is not reported)
+    slow_class_work_share: float | None = None
     # mean over the window of the fullest KV cache among the GPU's queues (vLLM's
     # kv_cache_usage_perc, TensorRT-LLM's used blocks): None where no queue reports it
     kv_cache_usage_ratio: float | None = None
@@ -373,6 +378,7 @@ def _gpu_frame(
         stale_sample_count=len(stale),
         stale_call=next((g.stale_call for g in reversed(stale) if g.stale_call), None),
         class_duration_ratio=serving.class_duration_ratio(),
+        slow_class_work_share=serving.slow_class_work_share(),
         kv_cache_usage_ratio=serving.kv_usage_mean,
         max_batch_size=serving.max_batch_size,
         prompt_tokens_per_second=serving.rate_of("prompt_tokens_total"),
@@ -456,26 +462,49 @@ class _ServingFigures:
                 out.append(value)
         return out
 
-    def class_duration_ratio(self) -> float | None:
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
+    def _by_class(self, name: str) -> dict[str, float | None]:
+        """The increase of counter ``name`` over the window per service class, summed over the
+        class's queues (None where one of them does not report it)."""
+        out: dict[str, float | None] = {}
         for key, series in self.series.items():
             serving = series[-1][1]
             if serving.service_class is None:
                 continue
             first = self.baseline.get(key, series[0][1])
-            total = _increase(
-                serving.request_duration_seconds_sum, first.request_duration_seconds_sum
-            )
-            count = _increase(
-                serving.request_duration_seconds_count, first.request_duration_seconds_count
-            )
-            if total is None or not count:
-                continue
-            sums[serving.service_class] = sums.get(serving.service_class, 0.0) + total
-            counts[serving.service_class] = counts.get(serving.service_class, 0.0) + count
-        means = [sums[c] / counts[c] for c in counts if sums[c] > 0]
+            value = _increase(getattr(serving, name), getattr(first, name))
+            mine = out.get(serving.service_class, 0.0)
+            out[serving.service_class] = None if value is None or mine is None else mine + value
+        return out
+
+    def _class_means(self) -> dict[str, float]:
+        """Each class's mean request duration over the window, where it completed any."""
+        sums = self._by_class("request_duration_seconds_sum")
+        counts = self._by_class("request_duration_seconds_count")
+        return {
+            c: total / count
+            for c, total in sums.items()
+            if total is not None and total > 0 and (count := counts.get(c))
+        }
+
+    def class_duration_ratio(self) -> float | None:
+        means = list(self._class_means().values())
         return max(means) / min(means) if len(means) >= 2 else None
+
+    def slow_class_work_share(self) -> float | None:
+        means = self._class_means()
+        if len(means) < 2:
+            return None
+        durations = self._by_class("request_duration_seconds_sum")
+        waits = self._by_class("batch_assembly_delay_seconds_sum")
+        served: dict[str, float] = {}
+        for c in means:
+            duration, wait = durations.get(c), waits.get(c)
+            if duration is None or wait is None:
+                return None
+            served[c] = max(0.0, duration - wait)
+        total = sum(served.values())
+        slowest = max(means, key=lambda c: (means[c], c))
+        return served[slowest] / total if total > 0 else None
 
     def increase_of(self, name: str) -> float | None:
         values = self._increases(name)

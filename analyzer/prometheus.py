@@ -955,6 +955,7 @@ class _Assembly:
             stale_call=[None] * (gpus * n),
             # per-class request durations are not among the series queried
             class_duration_ratio=[None] * (gpus * n),
+            slow_class_work_share=[None] * (gpus * n),
             expected_sample_count=each_window([int(e) for e in expected]),
             lost=(lost > 0).ravel().tolist(),
             memory_used_bytes=_objects(self.gpu("memory_used"), int).ravel().tolist(),

@@ -54,6 +54,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -91,6 +92,8 @@ TAKES_WORK = frozenset({"routing_skew", "low_demand"})
 MISROUTED = frozenset({"routing_skew", "slow_card", "throttling"})
 # what holds a GPU back whatever it is sent: more work would only wait
 HELD_BACK = frozenset({"host_bound", "io_bound", "memory_pressure"})
+# a pool split tries every choice of batch GPUs up to this many GPUs (2^12 splits)
+SPLIT_SEARCH_GPUS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +171,12 @@ class Recommender:
             pools.setdefault((item.verdict.host, item.verdict.pool), []).append(item)
         # the workers behind each GPU, as its latest frame that names any has them
         workers: dict[tuple[str, int], tuple[str, ...]] = {}
+        # the service classes each GPU's queues served in its latest frame
+        classes: dict[tuple[str, int], tuple[str, ...]] = {}
         for frame in sorted(table.frames, key=lambda f: f.t_start):
             if frame.workers:
                 workers[(frame.host, frame.gpu)] = frame.workers
+            classes[(frame.host, frame.gpu)] = frame.service_classes
         out: list[Recommendation] = []
         by_host: dict[str, list[_Pool]] = {}
         # a pool a GPU joined or left within the persistence windows and one more: its verdicts
@@ -191,6 +197,8 @@ class Recommender:
                 now_seconds,
                 workers,
                 _busiest(table, host, pool, self.scale_in_windows),
+                _slow_class_share(table, host, pool, model.recent_windows),
+                classes,
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -275,6 +283,23 @@ def _busiest(table: FeatureTable, host: str, pool: str, windows: int) -> float |
     return max(rates.get(t, 0.0) for t in recent)
 
 
+def _slow_class_share(table: FeatureTable, host: str, pool: str, windows: int) -> float | None:
+    """The slowest service class's share of the pool's work over the host's latest
+    ``windows`` windows: each frame's share weighed by how busy its GPU was (None where no
+    frame gives one)."""
+    recent = set(sorted({f.t_start for f in table.frames if f.host == host})[-windows:])
+    pairs = [
+        (f.slow_class_work_share, f.utilization_mean_ratio or 0.0)
+        for f in table.frames
+        if f.host == host
+        and f.t_start in recent
+        and pool_of(f) == pool
+        and f.slow_class_work_share is not None
+    ]
+    busy = sum(u for _, u in pairs)
+    return sum(s * u for s, u in pairs) / busy if busy > 0 else None
+
+
 def _offered_by_window(table: FeatureTable, host: str, pool: str) -> dict[float, float]:
     """The pool's offered load per second in each window (by its start) in which one of its
     GPUs gives one, summed over those GPUs."""
@@ -335,9 +360,15 @@ class _Pool:
         now_seconds: float,
         workers: Mapping[tuple[str, int], tuple[str, ...]],
         busiest_per_second: float | None,
+        slow_class_share: float | None = None,
+        classes: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
     ) -> None:
         self.r = recommender
         self.workers = workers
+        # the slowest service class's share of the pool's work in its latest windows, and
+        # the classes each GPU serves
+        self.slow_class_share = slow_class_share
+        self.classes = classes or {}
         # the pool's offered load in its busiest of the latest scale_in_windows windows
         self.busiest_per_second = busiest_per_second
         self.model = model
@@ -478,6 +509,42 @@ class _Pool:
             if (h.verdict.state == "unknown" and h.verdict.unknown_reason == "GPU lost")
             or (h.verdict.state == "starved" and h.verdict.cause == "worker_crash")
         ]
+
+    def _split(self, pool_rho: float) -> tuple[list[int], list[int], dict[int, float]]:
+        """Of the GPUs whose queues serve more than one class, those that serve the batch
+        class alone and those that serve the others, and each GPU's ρ after: the split that
+        leaves the busier side least loaded, the batch class's share of their work being the
+        slowest class's (each side spreading its class by capacity; of equal splits the one
+        nearest half the GPUs, then the lowest indices); a GPU that serves one class keeps its
+        work. Without that share, or a load and capacity for each GPU, the pool's first half
+        and the rest, and the pool's ρ everywhere."""
+        ordered = sorted(self.gpus)
+        half = max(1, len(ordered) // 2)
+        fallback = ordered[:half], ordered[half:], {g: pool_rho for g in ordered}
+        shared = [g for g in ordered if len(self.classes.get((self.host, g), ())) >= 2]
+        share = self.slow_class_share
+        capacity = {g: self.gpus[g].capacity_per_second or 0.0 for g in shared}
+        offered = [self.gpus[g].offered_per_second for g in shared]
+        if share is None or len(shared) < 2 or not all(capacity.values()) or None in offered:
+            return fallback
+        load = sum(o or 0.0 for o in offered)
+        whole = sum(capacity.values())
+        half = max(1, len(shared) // 2)
+
+        def sides(batch: tuple[int, ...]) -> tuple[float, float]:
+            mine = sum(capacity[g] for g in batch)
+            return load * share / mine, load * (1.0 - share) / (whole - mine)
+
+        # every split of a host's few GPUs; of more, the first k by index
+        if len(shared) <= SPLIT_SEARCH_GPUS:
+            splits = [c for k in range(1, len(shared)) for c in itertools.combinations(shared, k)]
+        else:
+            splits = [tuple(shared[:k]) for k in range(1, len(shared))]
+        batch = min(splits, key=lambda c: (max(sides(c)), abs(len(c) - half), c))
+        rho_batch, rho_interactive = sides(batch)
+        after = {g: r for g, r in self.rho_now.items() if g not in shared}
+        after.update({g: rho_batch if g in batch else rho_interactive for g in shared})
+        return list(batch), [g for g in shared if g not in batch], after
 
     # the rules
 
@@ -730,22 +797,18 @@ class _Pool:
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
             return []
-        # which GPUs serve which class after the split is the executor's choice; the capacity
-        # model only knows the pool's total, so every GPU ends near the pool's ρ
-        after = {g: pool_rho for g in self.gpus}
-        ordered = sorted(self.gpus)
-        half = max(1, len(ordered) // 2)
+        batch, interactive, after = self._split(pool_rho)
         return [
             self._make(
                 "split_pools",
                 f"pool:{self.pool}",
-                {"batch_gpus": ordered[:half], "interactive_gpus": ordered[half:]},
+                {"batch_gpus": batch, "interactive_gpus": interactive},
                 f"interactive requests wait behind batch work in the queues of "
                 f"{_gpus(h.verdict.gpu for h in mixed)}: serve the batch class from its own "
                 "GPUs",
                 mixed,
                 after,
-                receivers=ordered,
+                receivers=sorted(self.gpus),
             )
         ]
 

@@ -126,6 +126,40 @@ def test_tokens_are_those_of_the_requests_answered(skewed: tuple[list[Sample], P
     )
 
 
+def test_the_slow_class_work_share_is_the_batch_class_share_of_the_serving(
+    tmp_path: Path,
+) -> None:
+    """Where one queue serves interactive and batch requests, the share of the time spent
+    serving (a request's duration less its wait for a batch) that went to the batch class is
+    what each GPU's requests say: the frames' shares, weighed by utilization, within 0.1."""
+    samples = _fast_run("mixed-interactive-batch", 240, tmp_path)
+    frames = list(
+        frames_from_samples(
+            samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    with (tmp_path / "requests.csv").open() as f:
+        answered = [r for r in csv.DictReader(f) if r["outcome"] == "ok" and float(r["end"]) <= 240]
+    for gpu in range(4):
+        served: dict[str, float] = {}
+        for r in (r for r in answered if int(r["gpu"]) == gpu):
+            served[r["class"]] = served.get(r["class"], 0.0) + float(r["end"]) - float(r["start"])
+        shares = [
+            (f.slow_class_work_share, f.utilization_mean_ratio or 0.0)
+            for f in frames
+            if f.gpu == gpu and f.slow_class_work_share is not None
+        ]
+        assert len(shares) >= 5, gpu
+        measured = sum(s * u for s, u in shares) / sum(u for _, u in shares)
+        assert measured == pytest.approx(served["batch"] / sum(served.values()), abs=0.1), gpu
+    # one class only: no share
+    skewed = _fast_run("skewed-heterogeneous", 60, tmp_path / "one")
+    one = frames_from_samples(
+        skewed, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+    )
+    assert all(f.slow_class_work_share is None for f in one)
+
+
 def test_the_skewed_server_shows_its_skew(skewed: tuple[list[Sample], Path]) -> None:
     samples, _ = skewed
     frames = [

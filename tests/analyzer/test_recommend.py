@@ -293,7 +293,7 @@ def test_a_slow_batcher_is_told_to_stop_waiting() -> None:
     assert found[0].parameters["max_queue_delay_seconds"] == 0.0
 
 
-def test_interactive_behind_batch_work_is_split_out() -> None:
+def _split(share: float | None, classes: dict[int, tuple[str, ...]]) -> Recommendation:
     frames = [
         _frame(
             g,
@@ -302,16 +302,45 @@ def test_interactive_behind_batch_work_is_split_out() -> None:
             queue_depth_mean=40.0,
             batch_size_mean=8.0,
             completions_per_second=4.0,
-            service_classes=("batch", "interactive"),
+            service_classes=classes[g],
+            slow_class_work_share=share if len(classes[g]) > 1 else None,
         )
         for w in range(3)
-        for g in range(4)
+        for g in classes
     ]
-    found = _by_labels(frames, dict.fromkeys(range(4), "overloaded/class_interference"))
-    assert "split_pools" in [r.action for r in found]
-    split = next(r for r in found if r.action == "split_pools")
+    found = _by_labels(frames, dict.fromkeys(classes, "overloaded/class_interference"))
+    return next(r for r in found if r.action == "split_pools")
+
+
+def test_interactive_behind_batch_work_is_split_out() -> None:
+    split = _split(None, dict.fromkeys(range(4), ("batch", "interactive")))
+    # no class's share of the work is measured: half and half, every GPU at the pool's ρ
     assert split.parameters["batch_gpus"] == [0, 1]
     assert split.parameters["interactive_gpus"] == [2, 3]
+    assert split.expected is not None
+    assert len(set(split.expected.rho_after.values())) == 1
+
+
+def test_a_split_gives_the_batch_class_gpus_by_its_share_of_the_work() -> None:
+    both = ("batch", "interactive")
+    # batch work a quarter of four alike GPUs' work: one GPU serves it, three the rest
+    split = _split(0.25, dict.fromkeys(range(4), both))
+    assert split.parameters["batch_gpus"] == [0]
+    assert split.parameters["interactive_gpus"] == [1, 2, 3]
+    expected = split.expected
+    assert expected is not None
+    after = expected.rho_after
+    assert after[0] == pytest.approx(after[1]) == pytest.approx(after[3])
+    assert after[0] == pytest.approx(sum(expected.rho_before.values()) / 4, rel=0.01)
+    # three quarters: the other way round
+    split = _split(0.75, dict.fromkeys(range(4), both))
+    assert split.parameters["batch_gpus"] == [0, 1, 2]
+    # a GPU whose queues serve one class is no part of the shared queue: it keeps its work
+    split = _split(0.5, {0: both, 1: both, 2: both, 3: ("premium",)})
+    assert 3 not in split.parameters["batch_gpus"] + split.parameters["interactive_gpus"]
+    assert split.parameters["batch_gpus"] == [0]  # of three alike: the side nearer half
+    assert split.expected is not None
+    assert split.expected.rho_after[3] == pytest.approx(split.expected.rho_before[3])
 
 
 def test_bad_settings_are_named() -> None:
