@@ -330,7 +330,11 @@ def evaluate(
         recommendation_errors(
             examples,
             models,
-            _stage(stage, "recommendations", len(held) * RECOMMENDED_VARIANTS),
+            _stage(
+                stage,
+                "recommendations",
+                len(_first_of_each(examples, RECOMMENDED_VARIANTS)),
+            ),
         )
         if recommendations
         else {"unavailable": "not asked for (--no-recommendations)"}
@@ -622,6 +626,17 @@ def per_label(runs: Sequence[RunVerdicts], judge: str) -> dict[str, dict[str, fl
     return out
 
 
+def _first_of_each(examples: Sequence[Example], variants: int) -> list[Example]:
+    """The first ``variants`` examples of each family, in their order."""
+    taken: dict[str | None, int] = {}
+    out = []
+    for example in examples:
+        if taken.get(example.family, 0) < variants:
+            taken[example.family] = taken.get(example.family, 0) + 1
+            out.append(example)
+    return out
+
+
 def recommendation_errors(
     examples: Sequence[Example],
     models: Mapping[str | None, GpuStateClassifier],
@@ -641,12 +656,8 @@ def recommendation_errors(
     # (family, action) -> the |errors| of its GPUs
     cells: dict[tuple[str, str], list[float]] = {}
     outcomes = 0
-    first: dict[str | None, list[Example]] = {}
-    for example in examples:
-        mine = first.setdefault(example.family, [])
-        if len(mine) < variants:
-            mine.append(example)
-    for family, example in ((f, e) for f, each in first.items() for e in each):
+    for example in _first_of_each(examples, variants):
+        family = example.family
         found = apply.outcomes(example.document, example.name, example.seed, models[family])
         outcomes += len(found)
         errors += apply.rho_errors(found)

@@ -197,8 +197,8 @@ class Recommender:
                 now_seconds,
                 workers,
                 _busiest(table, host, pool, self.scale_in_windows),
-                _slow_class_share(table, host, pool, model.recent_windows),
                 classes,
+                table,
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -360,15 +360,15 @@ class _Pool:
         now_seconds: float,
         workers: Mapping[tuple[str, int], tuple[str, ...]],
         busiest_per_second: float | None,
-        slow_class_share: float | None = None,
         classes: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
+        table: FeatureTable | None = None,
     ) -> None:
         self.r = recommender
         self.workers = workers
-        # the slowest service class's share of the pool's work in its latest windows, and
-        # the classes each GPU serves
-        self.slow_class_share = slow_class_share
+        # the classes each GPU serves, and the windows a split reads the classes' work from
+        # (only a split does: read then, not for every pool)
         self.classes = classes or {}
+        self.table = table
         # the pool's offered load in its busiest of the latest scale_in_windows windows
         self.busiest_per_second = busiest_per_second
         self.model = model
@@ -519,10 +519,14 @@ class _Pool:
         work. Without that share, or a load and capacity for each GPU, the pool's first half
         and the rest, and the pool's ρ everywhere."""
         ordered = sorted(self.gpus)
-        half = max(1, len(ordered) // 2)
-        fallback = ordered[:half], ordered[half:], {g: pool_rho for g in ordered}
+        first = max(1, len(ordered) // 2)
+        fallback = ordered[:first], ordered[first:], {g: pool_rho for g in ordered}
         shared = [g for g in ordered if len(self.classes.get((self.host, g), ())) >= 2]
-        share = self.slow_class_share
+        share = (
+            None
+            if self.table is None
+            else _slow_class_share(self.table, self.host, self.pool, self.model.recent_windows)
+        )
         capacity = {g: self.gpus[g].capacity_per_second or 0.0 for g in shared}
         offered = [self.gpus[g].offered_per_second for g in shared]
         if share is None or len(shared) < 2 or not all(capacity.values()) or None in offered:
