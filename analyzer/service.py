@@ -31,6 +31,14 @@ log = logging.getLogger("gpubalance.analyzer")
 # how long an expired recommendation is kept, so that a late ack hears "expired" (409), not
 # "never heard of it" (404)
 EXPIRED_KEPT_SECONDS = 3600.0
+# A set_weights whose shares are estimates moves a little every cycle; one that moves a share by
+# more than this part of it (and by more than RESHARE_MIN of the pool) asks something new: the
+# acks that it was applied answered the old ask (a first ask on a guessed capacity, corrected
+# once the GPU's capacity is measured, is then carried out again).
+RESHARE_RATIO = 0.25
+RESHARE_MIN = 0.02
+# acks that say an executor did, or will do, what was asked: a new ask needs doing again
+DONE: frozenset[AckStatus] = frozenset({"accepted", "applied"})
 
 # a source error's reason label, from its message: few values, so that a rate per reason means
 # something ("unreachable" pages someone, "bad_answer" files a bug)
@@ -198,6 +206,8 @@ class AnalyzerService:
         # cycles run in a worker thread, acks in the server's: both write the recommendations
         self._lock = threading.Lock()
         self._recommendations: dict[str, Recommendation] = {}
+        # what each acked recommendation asked when its latest ack came
+        self._asked: dict[str, Mapping[str, object]] = {}
         self._source_errors: Counter[str] = Counter()
         self._cycle_failures: Counter[str] = Counter()
         self._cycles = 0
@@ -300,16 +310,33 @@ class AnalyzerService:
             self._last_cycle_seconds = took
 
     def _keep(self, recommendations: Iterable[Recommendation], now: float) -> None:
-        """New recommendations join; one with a known id replaces its old self, acks kept."""
+        """New recommendations join; one with a known id replaces its old self, acks kept
+        while it asks what they answered. Acks that it was done (applied, accepted) are
+        dropped once it asks something else: it needs doing again. A rejection or a failure
+        stands while the id lives, whatever it asks: an executor that undid it or refused it
+        is not asked again and again as the estimates move."""
         with self._lock:
             for recommendation in recommendations:
                 old = self._recommendations.get(recommendation.id)
-                if old is not None:
-                    recommendation = dataclasses.replace(recommendation, acks=old.acks)
+                if old is not None and old.acks:
+                    asked = self._asked.get(recommendation.id, old.parameters)
+                    if all(a.status in DONE for a in old.acks) and not asks_the_same(
+                        recommendation.action, asked, recommendation.parameters
+                    ):
+                        log.info(
+                            "recommendation %s asks anew (%s): its acks answered what it asked "
+                            "before",
+                            recommendation.id,
+                            recommendation.action,
+                        )
+                        self._asked.pop(recommendation.id, None)
+                    else:
+                        recommendation = dataclasses.replace(recommendation, acks=old.acks)
                 self._recommendations[recommendation.id] = recommendation
             for key, recommendation in list(self._recommendations.items()):
                 if _forgotten(recommendation, now):
                     del self._recommendations[key]
+                    self._asked.pop(key, None)
 
     # what the server reads
 
@@ -413,6 +440,7 @@ class AnalyzerService:
                 recommendation, acks=(*recommendation.acks, Ack(status, reason, by, now))
             )
             self._recommendations[recommendation_id] = recommendation
+            self._asked[recommendation_id] = recommendation.parameters
         log.info("recommendation %s %s by %s: %s", recommendation_id, status, by, reason)
         return recommendation
 
@@ -426,6 +454,33 @@ class AnalyzerService:
                 cycle_seconds_total=self._cycle_seconds_total,
                 last_cycle_seconds=self._last_cycle_seconds,
             )
+
+
+def asks_the_same(action: str, before: Mapping[str, object], now: Mapping[str, object]) -> bool:
+    """Whether a recommendation's parameters ``now`` ask what they asked ``before``: the same
+    values, a set_weights' shares within :data:`RESHARE_RATIO` of each other (or
+    :data:`RESHARE_MIN` of the pool) on the same workers."""
+    if action != "set_weights":
+        return before == now
+    old, new = _shares(before), _shares(now)
+    if old is None or new is None or old.keys() != new.keys():
+        return before == now
+    return all(
+        abs(new[k] - old[k]) <= max(RESHARE_MIN, RESHARE_RATIO * max(old[k], new[k])) for k in old
+    )
+
+
+def _shares(parameters: Mapping[str, object]) -> dict[tuple[object, object], float] | None:
+    """A set_weights' shares by (GPU, worker); None when they are not that shape."""
+    items = parameters.get("weights")
+    if not isinstance(items, list):
+        return None
+    out: dict[tuple[object, object], float] = {}
+    for item in items:
+        if not isinstance(item, Mapping) or not isinstance(item.get("weight"), int | float):
+            return None
+        out[(item.get("gpu"), item.get("worker"))] = float(item["weight"])
+    return out
 
 
 def _forgotten(recommendation: Recommendation, now: float) -> bool:

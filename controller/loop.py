@@ -200,8 +200,16 @@ class Controller:
         if self.mover is not None:
             # a person's approved move waits in the mover, not in the analyzer's list
             listed |= {m.recommendation_id for m in self.mover.approved}
-        self._acked &= listed
-        self._said = {said for said in self._said if said[0] in listed}
+        # one it acked that the analyzer lists without that ack asks anew (the analyzer drops
+        # the acks of a recommendation that changed what it asks): planned again, and its
+        # decisions logged again
+        asks_anew = {
+            r.id
+            for r in recommendations
+            if r.id in self._acked and not any(a.by == self.identity for a in r.acks)
+        }
+        self._acked = {i for i in self._acked if i in listed and i not in asks_anew}
+        self._said = {said for said in self._said if said[0] in listed and said[0] not in asks_anew}
         open_recs = [
             r
             for r in recommendations

@@ -18,7 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from gpubalance.controller.mover import Mover
 from gpubalance.controller.runtime_actuator import RuntimeApiActuator
 from gpubalance.controller.supervisor import MARK, WorkersConfig, WorkerSupervisor, wait_ready
 from gpubalance.controller.worker_backends import supervisor_for
-from gpubalance.diagnosis import Recommendation
+from gpubalance.diagnosis import Ack, Recommendation
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
     Backend,
@@ -122,7 +122,14 @@ class Analyzer:
     async def _ack(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return web.Response(status=401)
-        self.acks.append({"id": request.match_info["id"], **await request.json()})
+        body = await request.json()
+        rec_id = request.match_info["id"]
+        self.acks.append({"id": rec_id, **body})
+        # listed with its acks from now on, as the analyzer lists them
+        ack = Ack(body["status"], body["reason"], body["by"], time.time())
+        self.recommendations = [
+            replace(r, acks=(*r.acks, ack)) if r.id == rec_id else r for r in self.recommendations
+        ]
         return web.Response(status=204)
 
     def acks_of(self, rec_id: str) -> list[tuple[str, str]]:

@@ -48,6 +48,7 @@ class FixedRecommender:
 
     fail: bool = False
     calls: list[float] = field(default_factory=list)
+    hot_weight: float = 1.0  # the overloaded GPU's weight (the others' is 3)
 
     def recommend(
         self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
@@ -61,7 +62,7 @@ class FixedRecommender:
             {
                 "worker": f"worker-{v.gpu}",
                 "gpu": v.gpu,
-                "weight": 1 if v.state == "overloaded" else 3,
+                "weight": self.hot_weight if v.state == "overloaded" else 3,
             }
             for v in now
         ]
@@ -190,6 +191,37 @@ def test_an_ack_is_kept_with_its_recommendation_through_later_cycles(
     assert weights["created_seconds"] == START + 10  # the later cycle's recommendation
     look = next(r for r in listed["recommendations"] if r["id"] == "look-1")
     assert look["acks"] == []
+
+
+def test_acks_that_it_was_done_go_when_it_asks_anew_and_a_refusal_stays(
+    served: Served, clock: Clock, recommender: FixedRecommender
+) -> None:
+    def acks() -> list[str]:
+        _, listed = served.request("/api/v1/recommendations")
+        weights = next(r for r in listed["recommendations"] if r["id"] == "weights-1")
+        return [a["status"] for a in weights["acks"]]
+
+    def cycle(hot_weight: float) -> list[str]:
+        recommender.hot_weight = hot_weight
+        clock.now += 5
+        served.server.service.cycle()
+        return acks()
+
+    applied = {"status": "applied", "reason": "haproxy weights set", "by": "controller"}
+    assert served.ack("weights-1", applied)[0] == 200
+    # estimates move a little each cycle: the same ask, still applied
+    assert cycle(1.2) == ["applied"]
+    assert cycle(0.9) == ["applied"]
+    # measured at last, the hot GPU's share doubles: a new ask, to be carried out again
+    assert cycle(2.0) == []
+    assert served.ack("weights-1", applied)[0] == 200
+    # drifting away by small steps is measured from what the ack answered, not the last cycle
+    assert cycle(2.4) == ["applied"]
+    assert cycle(2.8) == []
+    # a refusal stands, whatever it asks next
+    rejected = {"status": "rejected", "reason": "a person said no", "by": "controller"}
+    assert served.ack("weights-1", rejected)[0] == 200
+    assert cycle(1.0) == ["rejected"]
 
 
 @pytest.mark.parametrize(

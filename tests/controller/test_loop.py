@@ -264,6 +264,44 @@ def test_a_restarted_controller_rederives_state_and_repeats_no_action(tmp_path: 
     asyncio.run(scenario())
 
 
+def test_a_recommendation_that_asks_anew_after_its_ack_is_carried_out_again(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
+            config = backends.config(tmp_path / "run")
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                log = tmp_path / "audit.jsonl"
+                analyzer.recommendations = [
+                    recommendation("r1", "set_weights", "be", {"weights": {"s1": 40}})
+                ]
+                controller = make_controller(config.socket_path, analyzer.url, http, log, FAST)
+                assert len((await controller.run_once()).applied) == 1
+                assert (await controller.run_once()).met == ["r1"]
+                done = ("applied", "HAProxy shows what it asks for")
+                assert analyzer.acks_of("r1") == [done]
+                # listed with its ack, whatever it asks: the analyzer's word that it is done
+                analyzer.recommendations = [
+                    replace(analyzer.recommendations[0], parameters={"weights": {"s1": 60}})
+                ]
+                assert (await controller.run_once()).planned == []
+                assert weights(haproxy.api)["s1"] == (40, "ready")
+                # listed without it: the analyzer dropped the ack of an ask it changed
+                analyzer.recommendations = [
+                    recommendation("r1", "set_weights", "be", {"weights": {"s1": 80}})
+                ]
+                assert len((await controller.run_once()).applied) == 1
+                assert weights(haproxy.api)["s1"] == (80, "ready")
+                assert (await controller.run_once()).met == ["r1"]
+                assert analyzer.acks_of("r1") == [done, done]
+                met = [e for e in audit(log) if e["decision"] == "met"]
+                assert [e["recommendation"] for e in met] == ["r1", "r1"]
+                await controller.run_once()
+                assert len(analyzer.acks) == 2
+
+    asyncio.run(scenario())
+
+
 def test_unreachable_haproxy_or_analyzer_means_no_action_a_metric_and_back_off(
     tmp_path: Path,
 ) -> None:
