@@ -94,6 +94,12 @@ MISROUTED = frozenset({"routing_skew", "slow_card", "throttling"})
 HELD_BACK = frozenset({"host_bound", "io_bound", "memory_pressure"})
 # a pool split tries every choice of batch GPUs up to this many GPUs (2^12 splits)
 SPLIT_SEARCH_GPUS = 12
+# A GPU whose capacity is a guess, not measured (the capacity model's prior and busy-rate
+# figures: its card's batch times extrapolated from the small batches it ran, where a slow
+# card at batch 1 looks like a fast one, its prefill cost showing only in full batches), is
+# sent at most this many times its share now, or half an even share if that is more: at the
+# larger load its capacity is measured, and the next re-weighting trusts it with more
+GUESSED_GROWTH = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,7 +647,8 @@ class _Pool:
     def _capacity_weights(self, new: Mapping[int, float] | None = None) -> dict[int, float] | None:
         """Shares of the pool's offered load by capacity, ``new`` GPUs (index -> capacity)
         included; GPUs that cannot take more keep at most theirs (a down one none: one held
-        back by its memory may still shed work); None when a free GPU's capacity is unknown."""
+        back by its memory may still shed work), one whose capacity is a guess grows by
+        :data:`GUESSED_GROWTH` at most; None when a free GPU's capacity is unknown."""
         limited, down = self._limited(), {h.verdict.gpu for h in self._down(self.known)}
         now = self._shares_now()
         total = sum(now.values())
@@ -660,9 +667,41 @@ class _Pool:
                 share = min(share, every[g] / whole)
             weights[g] = share
         rest = max(0.0, 1.0 - sum(weights.values()))
-        capacity = sum(c or 0.0 for c in free.values())
-        weights.update({g: rest * (c or 0.0) / capacity for g, c in free.items()})
+        weights.update(self._by_capacity(rest, free, now, total, set(new or ())))
         return weights
+
+    def _by_capacity(
+        self,
+        rest: float,
+        free: Mapping[int, float | None],
+        now: Mapping[int, float],
+        total: float,
+        new: set[int],
+    ) -> dict[int, float]:
+        """``rest`` of the pool's load over the ``free`` GPUs by capacity, a GPU whose capacity
+        is not measured at most :data:`GUESSED_GROWTH` times its share now (or half an even
+        share); what it cannot take goes to the others by capacity, and when every one is held
+        so, the guesses take the rest after all."""
+        floor = 0.5 / len(self.gpus) if self.gpus else 0.0
+        cap = {
+            g: max(GUESSED_GROWTH * now.get(g, 0.0) / total, floor)
+            for g in free
+            if g not in new and not self.gpus[g].measured
+        }
+        out: dict[int, float] = {}
+        uncapped = dict(free)
+        while uncapped:
+            capacity = sum(c or 0.0 for c in uncapped.values())
+            left = rest - sum(out.values())
+            shares = {g: left * (c or 0.0) / capacity for g, c in uncapped.items()}
+            over = {g for g, v in shares.items() if g in cap and v > cap[g]}
+            if not over or over == uncapped.keys():
+                out.update(shares)
+                break
+            for g in over:
+                out[g] = cap[g]
+                del uncapped[g]
+        return out
 
     def _scale_out(self, because: Sequence[_Held], pool_rho: float) -> Recommendation | None:
         members = [c for c in self.gpus.values() if c.capacity_per_second]

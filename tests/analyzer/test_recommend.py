@@ -220,7 +220,9 @@ def _by_labels(frames: list[GpuFrame], labels: dict[int, str]) -> tuple[Recommen
     return Recommender().recommend(diagnosis, table, frames[-1].t_end)
 
 
-def _one_hot(gpu_0: dict[str, object], gpu_1: dict[str, object]) -> list[GpuFrame]:
+def _one_hot(
+    gpu_0: dict[str, object], gpu_1: dict[str, object], gpu_2: dict[str, object] | None = None
+) -> list[GpuFrame]:
     """Four windows of three GPUs: GPU 0 busy, queue growing, serving 10/s; 1 and 2 at 1/s."""
     frames = []
     for w in range(4):
@@ -236,7 +238,7 @@ def _one_hot(gpu_0: dict[str, object], gpu_1: dict[str, object]) -> list[GpuFram
                 **gpu_0,
             ),
             _frame(1, w, completions_per_second=1.0, **gpu_1),
-            _frame(2, w, completions_per_second=1.0),
+            _frame(2, w, **({"completions_per_second": 1.0} | (gpu_2 or {}))),
         ]
     return frames
 
@@ -269,6 +271,30 @@ def test_an_overloaded_gpu_short_of_memory_still_sheds_work() -> None:
     assert weights["gpu:1"] == pytest.approx(weights["gpu:2"])
     expected = found[0].expected
     assert expected is not None and expected.rho_after[0] < expected.rho_before[0]
+
+
+def test_a_card_whose_capacity_is_a_guess_is_trusted_with_twice_its_share_at_most() -> None:
+    # GPU 2, an RTX 3090, ran batches of 1 at a tenth busy: what it would serve in full
+    # batches is extrapolated (its card's prior), here above the 4090s' measured 10/s
+    slow = {
+        "card": "NVIDIA GeForce RTX 3090",
+        "completions_per_second": 0.5,
+        "batch_size_mean": 1.0,
+        "utilization_mean_ratio": 0.1,
+    }
+    frames = _one_hot({}, {}, slow)
+    labels = {0: "overloaded/routing_skew", 1: "starved/routing_skew", 2: "starved/routing_skew"}
+    found = _by_labels(frames, labels)
+    assert _actions(found) == [("set_weights", "pool:llama")]
+    expected = found[0].expected
+    assert expected is not None and expected.capacity_source[2] in ("prior", "busy_rate")
+    assert expected.capacity_per_second[2] > expected.capacity_per_second[1]
+    # it gets at most half an even share (twice its 4 % now is less), the measured GPUs the
+    # rest by capacity
+    shares = _shares(found[0])
+    assert shares["gpu:2"] == pytest.approx(0.5 / 3, abs=0.001)
+    assert shares["gpu:0"] == pytest.approx(shares["gpu:1"], abs=0.001)
+    assert max(expected.rho_after.values()) < expected.rho_before[0]
 
 
 def test_no_weights_rest_on_an_unmeasured_capacity() -> None:
