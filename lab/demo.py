@@ -89,6 +89,8 @@ def run_config(lab: LiveLab, build_dir: Path) -> Path:
             "format": c.metrics_format,
             "worker": c.name,
             "gpu": c.gpu,
+            # no serving stack exports its batch limit: a user writes it down, as here
+            "max_batch_size": c.max_batch_size,
         }
         for c in lab.configs.values()
     ]

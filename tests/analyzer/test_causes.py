@@ -3,6 +3,7 @@ model's answers where they fire."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -184,7 +185,8 @@ def test_a_kv_cache_nearly_empty_with_no_allocation_failing_is_no_memory_pressur
     # the memory share goes to the other overloaded causes as they stood, 3 to 1
     moved = np.tile([0.2, 0.0, 0.6, 0.2], (len(hot), 1))
     assert np.allclose(causes.apply(learned, classes, table), moved)
-    # a KV cache in use, an allocation failing, or no KV figure: the learned answer stands
+    # a KV cache in use, an allocation failing, or no KV figure (its batches short of their
+    # limit): the learned answer stands
     kv = COLUMNS.index("kv_cache_usage_ratio")
     failures = COLUMNS.index("allocation_failures_per_completion")
     for column, value in ((kv, 0.5), (failures, 0.001), (kv, np.nan)):
@@ -192,3 +194,32 @@ def test_a_kv_cache_nearly_empty_with_no_allocation_failing_is_no_memory_pressur
         values[:, column] = value
         changed = FeatureTable(table.frames, values)
         assert np.allclose(causes.apply(learned, classes, changed), learned), (column, value)
+
+
+def test_batches_at_their_limit_with_no_allocation_failing_are_no_memory_pressure(
+    tmp_path: Path,
+) -> None:
+    # the default demo: GPU 0, the weighted round robin's default target, runs full batches at
+    # a deep queue, no allocation failing; its server reports no KV figure (TGI, Triton)
+    table = _table("skewed-heterogeneous", 120, tmp_path / "run")
+    hot = [i for i, f in enumerate(table.frames) if f.gpu == 0]
+    blank = table.values[hot].copy()
+    blank[:, COLUMNS.index("kv_cache_usage_ratio")] = np.nan
+    frames = tuple(table.frames[i] for i in hot)
+    assert max(blank[:, COLUMNS.index("allocation_failures_per_completion")]) == 0
+    assert all(
+        f.max_batch_size == 8
+        and f.batch_size_mean is not None
+        and f.batch_size_mean >= causes.FULL_BATCH_RATIO * 8
+        for f in frames
+    )
+    classes = np.asarray(["overloaded/memory_pressure", "overloaded/routing_skew"])
+    learned = np.tile([0.7, 0.3], (len(hot), 1))
+    # the batches the exporter was told it may run all ran: memory held them
+    moved = causes.apply(learned, classes, FeatureTable(frames, blank))
+    assert np.allclose(moved, np.tile([0.0, 1.0], (len(hot), 1)))
+    # no limit told, or a limit its batches fall short of: the learned answer stands
+    for limit in (None, 16):
+        told = tuple(dataclasses.replace(f, max_batch_size=limit) for f in frames)
+        changed = FeatureTable(told, blank)
+        assert np.allclose(causes.apply(learned, classes, changed), learned), limit
