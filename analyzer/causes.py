@@ -6,16 +6,16 @@ that holds the GPU idle half of each batch cycle (``batch_delay``), allocation f
 without a deep queue (``memory_pressure``); and one they rule out: a KV cache nearly empty, or
 batches at their configured limit, with no allocation failing is no memory pressure (the first
 measured held out on the generated families, count 4: 10 of 691 memory_pressure answers go,
-none of them right). A joint label learned on
-some families cannot know what another family's servers look like; the physics is the same on
-all of them, so these rules decide where they fire and the model only where none does. They go
-in the order the ground truth decides causes in (lab/scenarios/README.md, "Decision"), and each
-says for which state it holds. Two name the state as well: a GPU busy under 60 % of the
-window while its batcher idles it half of each batch cycle is starved by its batching, however
-full its (small) batches look, unless its work would keep it busy 30 % of the window at full
-batches; and a GPU with no work waiting whose work would keep it busy under 30 % of the window
-at full batches while the process feeding it is pinned at its cores (or the host's CPUs are
-under pressure) is starved by its host.
+none of them right). A joint label learned on some families cannot know what another family's
+servers look like; the physics is the same on all of them, so these rules decide where they
+fire and the model only where none does. They go in the order the ground truth decides
+causes in (lab/scenarios/README.md, "Decision"), and each says for which state it holds. Two
+name the state as well: a GPU busy under 60 % of the window while its batcher idles it half of
+each batch cycle is starved by its batching, however full its (small) batches look, unless its
+work would keep it busy 30 % of the window at full batches; and a GPU with no work waiting
+whose work would keep it busy under 30 % of the window at full batches while the process
+feeding it is pinned at its cores (or the host's CPUs are under pressure) is starved by its
+host.
 """
 
 from __future__ import annotations
