@@ -468,6 +468,11 @@ class Supervisor:
     def _alive(self, worker: WorkerProcess) -> bool:
         # reaps our own children; a worker a killed controller left is reaped by init
         self._reap()
+        if any(w.pid == worker.pid for w in self._children.values()):
+            # ours and not reaped: it has not exited. (While it exits, /proc stops showing its
+            # environment before the kernel lets it be reaped: read then, it looked gone, and
+            # `processes` still listed it as a child.)
+            return True
         env = _environ(worker.pid)
         return env is not None and env.get("GPUBALANCE_STARTED_SECONDS") == repr(
             worker.started_seconds
