@@ -14,7 +14,7 @@ account every event once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpubalance.telemetry import (
@@ -476,9 +476,9 @@ class _ServingFigures:
             out[serving.service_class] = None if value is None or mine is None else mine + value
         return out
 
-    def _class_means(self) -> dict[str, float]:
-        """Each class's mean request duration over the window, where it completed any."""
-        sums = self._by_class("request_duration_seconds_sum")
+    def _class_means(self, sums: Mapping[str, float | None]) -> dict[str, float]:
+        """Each class's mean request duration over the window, where it completed any, from
+        its summed durations (``_by_class("request_duration_seconds_sum")``)."""
         counts = self._by_class("request_duration_seconds_count")
         return {
             c: total / count
@@ -487,14 +487,14 @@ class _ServingFigures:
         }
 
     def class_duration_ratio(self) -> float | None:
-        means = list(self._class_means().values())
+        means = list(self._class_means(self._by_class("request_duration_seconds_sum")).values())
         return max(means) / min(means) if len(means) >= 2 else None
 
     def slow_class_work_share(self) -> float | None:
-        means = self._class_means()
+        durations = self._by_class("request_duration_seconds_sum")
+        means = self._class_means(durations)
         if len(means) < 2:
             return None
-        durations = self._by_class("request_duration_seconds_sum")
         waits = self._by_class("batch_assembly_delay_seconds_sum")
         served: dict[str, float] = {}
         for c in means:

@@ -278,11 +278,16 @@ class Recommender:
         return out
 
 
+def _latest_windows(table: FeatureTable, host: str, windows: int) -> list[float]:
+    """The starts of the host's latest ``windows`` windows, oldest first."""
+    return sorted({f.t_start for f in table.frames if f.host == host})[-windows:]
+
+
 def _busiest(table: FeatureTable, host: str, pool: str, windows: int) -> float | None:
     """The pool's offered load, per second, in its busiest of the host's latest ``windows``
     windows (a GPU whose load a window does not give counts none in it); None when the table
     holds fewer windows of the host."""
-    recent = sorted({f.t_start for f in table.frames if f.host == host})[-windows:]
+    recent = _latest_windows(table, host, windows)
     if len(recent) < windows:
         return None
     rates = _offered_by_window(table, host, pool)
@@ -293,7 +298,7 @@ def _slow_class_share(table: FeatureTable, host: str, pool: str, windows: int) -
     """The slowest service class's share of the pool's work over the host's latest
     ``windows`` windows: each frame's share weighed by how busy its GPU was (None where no
     frame gives one)."""
-    recent = set(sorted({f.t_start for f in table.frames if f.host == host})[-windows:])
+    recent = set(_latest_windows(table, host, windows))
     pairs = [
         (f.slow_class_work_share, f.utilization_mean_ratio or 0.0)
         for f in table.frames
