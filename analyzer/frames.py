@@ -64,6 +64,8 @@ class GpuFrame:
     batch_size_mean: float | None
     completions_per_second: float | None
     allocation_failures: float | None  # counted in the window
+    # the classes its queues served in the window: a queue listed with nothing waiting and no
+    # request completed is a class that did not come
     service_classes: tuple[str, ...]
     queue_names: tuple[str, ...]  # the serving queues' names (a model, an engine): its pools
     # the feed: the processes holding the GPU, and the host
@@ -448,10 +450,29 @@ class _ServingFigures:
         self.depth_slope = _slope(totals)
         self.running_mean = _mean(running)
         self.kv_usage_mean = _mean(kv_usage)
-        self.classes = tuple(sorted(classes))
+        # a server lists each class's queue whether or not the class came: the classes served
+        self.classes = tuple(sorted(c for c in classes if not self._idle(c)))
         self.elapsed = samples[-1].timestamp_seconds - (
             before.timestamp_seconds if before is not None else samples[0].timestamp_seconds
         )
+
+    def _idle(self, service_class: str) -> bool:
+        """Its queues held no request waiting and completed none over the window (where they
+        count completions: without a count, who can say). What runs is no test: a server may
+        report its batch as a whole on one class's series."""
+        for key, series in self.series.items():
+            if key[3] != service_class:
+                continue
+            first = self.baseline.get(key, series[0][1])
+            last = series[-1][1]
+            done = _increase(
+                last.request_duration_seconds_count, first.request_duration_seconds_count
+            )
+            if done is None or done > 0:
+                return False
+            if any((s.queue_depth or 0) > 0 for _, s in series):
+                return False
+        return True
 
     def _increases(self, name: str) -> list[float]:
         out = []

@@ -855,7 +855,12 @@ class _Assembly:
         listed = np.zeros((len(series), self.steps), dtype=bool)
         for values in serving.values():
             listed |= ~np.isnan(values)
-        listed_l = listed.tolist()
+        # a queue listed that held nothing waiting and completed nothing (where it counts
+        # completions): a server lists a class's queue whether or not the class came, and
+        # its class is not one the GPU served
+        idle = (serving["request_duration_seconds_count"] == 0) & (serving["queue_depth_max"] == 0)
+        # per queue and window: 0 not listed, 1 listed, 2 listed and idle
+        listed_l = (listed.astype(np.int8) + (listed & idle)).tolist()
         queues_of: dict[int, list[int]] = {}
         for i, (gpu, _) in enumerate(series):
             queues_of.setdefault(gpu, []).append(i)
@@ -869,9 +874,10 @@ class _Assembly:
                 key = (g, *(listed_l[i][k] for i in mine))
                 if key not in labels_of:
                     on = [series[i][1] for i, now in zip(mine, key[1:], strict=True) if now]
+                    came = [series[i][1] for i, now in zip(mine, key[1:], strict=True) if now == 1]
                     labels_of[key] = (
                         len({(q.get("worker"), q.get("source"), q.get("queue")) for q in on}),
-                        tuple(sorted({c for q in on if (c := q.get("class", ""))})),
+                        tuple(sorted({c for q in came if (c := q.get("class", ""))})),
                         tuple(sorted({q.get("queue", "") for q in on})),
                         tuple(sorted({w for q in on if (w := q.get("worker", ""))})),
                     )

@@ -177,12 +177,18 @@ class Recommender:
             pools.setdefault((item.verdict.host, item.verdict.pool), []).append(item)
         # the workers behind each GPU, as its latest frame that names any has them
         workers: dict[tuple[str, int], tuple[str, ...]] = {}
-        # the service classes each GPU's queues served in its latest frame
-        classes: dict[tuple[str, int], tuple[str, ...]] = {}
+        # the service classes each GPU's queues served in its latest frames (the capacity
+        # model's recent windows): a class that comes now and then on every GPU is shared, one
+        # a split sent elsewhere is gone from them within those windows
+        served: dict[tuple[str, int], list[tuple[str, ...]]] = {}
         for frame in sorted(table.frames, key=lambda f: f.t_start):
             if frame.workers:
                 workers[(frame.host, frame.gpu)] = frame.workers
-            classes[(frame.host, frame.gpu)] = frame.service_classes
+            served.setdefault((frame.host, frame.gpu), []).append(frame.service_classes)
+        classes = {
+            key: tuple(sorted({c for seen in kept[-model.recent_windows :] for c in seen}))
+            for key, kept in served.items()
+        }
         out: list[Recommendation] = []
         by_host: dict[str, list[_Pool]] = {}
         # a pool a GPU joined or left within the persistence windows and one more: its verdicts
@@ -427,6 +433,9 @@ class _Pool:
                 out.append({"gpu": gpu, "worker": name, "weight": round(share / len(names), 4)})
         return out
 
+    def _worker_names(self, gpus: Iterable[int]) -> list[str]:
+        return [name for g in gpus for name in self.workers.get((self.host, g), ())]
+
     def _held_where(
         self, state: str, causes: Iterable[str] | None = None, *, recent: bool = False
     ) -> list[_Held]:
@@ -579,7 +588,7 @@ class _Pool:
                 self._make(
                     "drain",
                     f"gpu:{gpu}",
-                    {"gpu": gpu, "workers": list(self.workers.get((self.host, gpu), ()))},
+                    {"gpu": gpu, "workers": self._worker_names([gpu])},
                     f"GPU {gpu} is {what}: take it out of rotation so that no request is sent "
                     "to it and its share goes to the others",
                     [h],
@@ -777,7 +786,7 @@ class _Pool:
             f"gpu:{smallest.gpu}",
             {
                 "gpu": smallest.gpu,
-                "workers": list(self.workers.get((self.host, smallest.gpu), ())),
+                "workers": self._worker_names([smallest.gpu]),
             },
             f"every GPU of the pool is starved for want of demand: GPU {smallest.gpu}'s "
             f"worker can go and the others stay under ρ {self.r.target_rho:.2f}, at the "
@@ -842,6 +851,9 @@ class _Pool:
         mixed = self._held_where("overloaded", {"class_interference"})
         if not mixed or len(self.gpus) < 2:
             return []
+        served = [self.classes.get((self.host, g), ()) for g in sorted(self.gpus)]
+        if len({c for mine in served for c in mine}) >= 2 and sum(len(m) >= 2 for m in served) < 2:
+            return []  # its GPUs serve its classes apart already: split (verdicts lag it)
         pool_rho = self.model.pool_rho(self.host, self.pool)
         if pool_rho is None:
             return []
@@ -850,7 +862,12 @@ class _Pool:
             self._make(
                 "split_pools",
                 f"pool:{self.pool}",
-                {"batch_gpus": batch, "interactive_gpus": interactive},
+                {
+                    "batch_gpus": batch,
+                    "interactive_gpus": interactive,
+                    "batch_workers": self._worker_names(batch),
+                    "interactive_workers": self._worker_names(interactive),
+                },
                 f"interactive requests wait behind batch work in the queues of "
                 f"{_gpus(h.verdict.gpu for h in mixed)}: serve the batch class from its own "
                 "GPUs",

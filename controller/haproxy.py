@@ -32,7 +32,10 @@ HTTP_PATH = re.compile(r"/[!-~]*")
 MAX_WEIGHT = 256
 
 # srv_admin_state bits (HAProxy include/haproxy/server-t.h, SRV_ADMF_*)
-_ADMIN_MAINT = 0x01 | 0x02 | 0x04 | 0x20 | 0x40  # forced, inherited, config, DNS, hostname
+# (HAProxy's SRV_ADMF_MAINT: forced, inherited, DNS). Not 0x04, the config's `disabled`, nor
+# 0x40, an FQDN set at runtime: both are remembered after `state ready` puts the server in
+# service (`show servers state` reads 4 for a `disabled` server readied, and it serves)
+_ADMIN_MAINT = 0x01 | 0x02 | 0x20
 _ADMIN_DRAIN = 0x08 | 0x10  # forced, inherited
 
 _STAT_TYPES = {"0": "frontend", "1": "backend", "2": "server", "3": "listener"}

@@ -25,6 +25,7 @@ RefusalReason = Literal[
     "bad_parameters",
     "unsupported_action",
     "contradictory",
+    "already_split",
     "last_ready_server",
     "drain_timeout",
     "draining",

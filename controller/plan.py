@@ -25,11 +25,20 @@ the analyzer gives a removed GPU a share again when its pool needs it back, and 
 routes nothing to a server in `maint`. A server someone else took out stays out; its weight is
 set, for when they ready it.
 
+`split_pools`: the analyzer's pool whose `batch_workers` and `interactive_workers` are servers
+of one backend `NAME` and of its batch backend `NAME_batch` (`BATCH_BACKEND`: the same
+servers, in maint, which the frontend routes the batch class to while one is up): first the
+batch side's servers are readied in `NAME_batch` (the interactive side's stay in maint there),
+then, once HAProxy shows that, they leave `NAME` (drained, then maint), which keeps serving the
+interactive side. A weight readies no server a split took out of `NAME`, nor one of `NAME_batch`.
+A split that asks other servers than `NAME_batch` serves from already is refused: re-splitting
+a pool under load is a person's call.
+
 `move_worker` goes to the mover (controller/mover.py) where a worker supervisor is configured;
 `plan_moves` checks it first: its `to` is a backend, or the analyzer's pool whose `to_workers`
 are servers of one backend; it waits while its GPU is frozen after another recommendation's
 move, and while a cheaper change is planned on the backend it leaves (the ladder's move
-rung). Without a supervisor it is refused as unsupported, as are pools and batching. A
+rung). Without a supervisor it is refused as unsupported, as is batching. A
 recommendation that is expired, stale, aimed at an unknown backend or server, or asks one server
 for two values at once together with another one, is refused with the reason. Within a backend
 the cheapest rung of the ladder (lowest `cost_rank`) goes first; dearer ones wait until it is
@@ -64,6 +73,11 @@ SHARE_WEIGHT = 100
 # a backend's weights whose proportions are this close to the shares asked (of the pool's
 # traffic, per server) already route as asked
 SHARE_TOLERANCE = 0.02
+
+# a backend `NAME` that may be split has a batch backend `NAME_batch`: the same servers, in
+# maint until a split readies the batch side's, which the frontend routes the batch class to
+# while one of them is up (HAProxy's `nbsrv`)
+BATCH_BACKEND = "_batch"
 
 # the admin state each server action asks for
 _ADMIN_OF: Mapping[str, AdminState] = {
@@ -102,7 +116,7 @@ def plan(
             if isinstance(parsed, Refusal):
                 refusal = parsed
             else:
-                wants[rec.id] = _readied(parsed, taken_out)
+                wants[rec.id] = _readied(parsed, taken_out, observed)
                 by_id[rec.id] = rec
         if refusal is not None:
             refusals.append(refusal)
@@ -191,6 +205,8 @@ def _wants(rec: Recommendation, observed: Observed, step: int) -> list[_Want] | 
 
     if rec.action == "set_weights" and isinstance(rec.parameters.get("weights"), list):
         return _shares(rec, observed, step, refuse)
+    if rec.action == "split_pools":
+        return _split(rec, observed, refuse)
     if rec.action in _ADMIN_OF and "/" not in rec.target and "workers" in rec.parameters:
         servers = _servers_named(rec.parameters["workers"], observed)
         if isinstance(servers, str):
@@ -228,13 +244,13 @@ def _wants(rec: Recommendation, observed: Observed, step: int) -> list[_Want] | 
     return refuse(
         "unsupported_action",
         f"{rec.action} is not carried out by this controller (set_weights, drain, "
-        "remove_worker, add_worker are)",
+        "remove_worker, add_worker, split_pools are)",
     )
 
 
-def _readied(wants: list[_Want], taken_out: frozenset[str]) -> list[_Want]:
+def _readied(wants: list[_Want], taken_out: frozenset[str], observed: Observed) -> list[_Want]:
     """``wants`` and a `ready` for each server given a weight above 0 that this controller
-    took out of rotation."""
+    took out of rotation, unless it is a split's (`_split_off`)."""
     return wants + [
         _Want(w.server, "admin", "ready")
         for w in wants
@@ -243,6 +259,70 @@ def _readied(wants: list[_Want], taken_out: frozenset[str]) -> list[_Want]:
         and w.value > 0
         and w.server.admin != "ready"
         and w.server.key in taken_out
+        and not _split_off(w.server, observed)
+    ]
+
+
+def _split_off(server: ObservedServer, observed: Observed) -> bool:
+    """A split's server: of a batch backend (whose rotation only a split changes), or of a
+    shared backend while its twin in the batch backend is ready."""
+    backend = server.backend
+    if backend.endswith(BATCH_BACKEND):
+        shared = backend.removesuffix(BATCH_BACKEND)
+        if server_key(shared, server.server) in observed.servers:
+            return True
+    twin = observed.servers.get(server_key(backend + BATCH_BACKEND, server.server))
+    return twin is not None and twin.admin == "ready"
+
+
+def _split(
+    rec: Recommendation, observed: Observed, refuse: Callable[[RefusalReason, str], Refusal]
+) -> list[_Want] | Refusal:
+    """The analyzer's split_pools: the batch side's servers ready in the pool's batch backend,
+    the others in maint there; once that holds, the batch side's servers leave the shared
+    backend (drained, then maint), which keeps the interactive side."""
+    sides: dict[str, list[ObservedServer]] = {}
+    for side in ("batch_workers", "interactive_workers"):
+        servers = _servers_named(rec.parameters.get(side), observed)
+        if isinstance(servers, str):
+            return refuse("unknown_target", f"split_pools of {rec.target}: {side}: {servers}")
+        sides[side] = servers
+    backends = {s.backend for side in sides.values() for s in side}
+    shared = sorted(b for b in backends if b + BATCH_BACKEND in backends)
+    if len(shared) != 1 or backends != {shared[0], shared[0] + BATCH_BACKEND}:
+        name = next(iter(backends)) if len(backends) == 1 else "NAME"
+        split = name + BATCH_BACKEND
+        return refuse(
+            "unknown_target",
+            f"split_pools of {rec.target}: its workers are servers of "
+            f"{', '.join(sorted(backends))}; a split needs them in one backend {name} and in "
+            f"{split}, the same servers `disabled`, which the frontend sends the batch class "
+            f"to while one is up: use_backend {split} if {{ req.hdr(X-Class) -m str batch }} "
+            f"{{ nbsrv({split}) gt 0 }}",
+        )
+    batch = {s.server for s in sides["batch_workers"]}
+    if batch & {s.server for s in sides["interactive_workers"]}:
+        return refuse("bad_parameters", f"split_pools of {rec.target}: a worker on both sides")
+    own = shared[0] + BATCH_BACKEND
+    split_now = {s.server for s in observed.pool(own) if s.admin != "maint"}
+    if split_now and split_now != batch:
+        return refuse(
+            "already_split",
+            f"split_pools of {rec.target}: {own} serves the batch class from "
+            f"{', '.join(sorted(split_now))} already, not {', '.join(sorted(batch))}; to split "
+            f"otherwise, a person first puts {own}'s servers in maint and readies them in "
+            f"{shared[0]}",
+        )
+    first = [
+        _Want(s, "admin", "ready" if s.server in batch else "maint")
+        for side in sides.values()
+        for s in side
+        if s.backend == own
+    ]
+    if not all(_met(w) for w in first):
+        return first
+    return first + [
+        _Want(s, "admin", "maint") for s in sides["batch_workers"] if s.backend == shared[0]
     ]
 
 

@@ -10,10 +10,13 @@ place of HAProxy and HTTP:
 
 - :class:`LabBalancer`, the observer: the simulated router's servers as HAProxy's `show servers
   state` and `show stat` rows (a backend `be_<pool>` per pool, as the live lab names them; a
-  server per worker, its weight, admin state, requests in flight, up unless crashed or lost);
+  server per worker, its weight, admin state, requests in flight, up unless crashed or lost;
+  and where a pool serves the batch class beside another, its batch backend `be_<pool>_batch`,
+  the same workers in maint, which the batch class goes to while one is ready, as the live
+  lab's HAProxy routes it);
 - :class:`LabActuator`, the `Actuator`: a weight becomes the router's weight from that instant
-  on, `drain` and `maint` stop new requests to the worker (those in flight finish), `ready`
-  resumes them;
+  on, `drain` and `maint` stop new requests to the worker through that backend (those in
+  flight finish), `ready` resumes them;
 - :class:`ServiceClient`: the analyzer service's recommendations and acks, as the controller's
   HTTP client gives them.
 
@@ -48,6 +51,7 @@ from gpubalance.controller.loop import Controller, PassReport
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Change, Settings
 from gpubalance.controller.mover import Mover
+from gpubalance.controller.plan import BATCH_BACKEND
 from gpubalance.controller.supervisor import SupervisorError, WorkerProcess, WorkersConfig
 from gpubalance.diagnosis import AckStatus, Recommendation
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun, WorkerState
@@ -72,6 +76,10 @@ def backend_of(worker: WorkerState) -> str:
     return f"be_{worker.plan.pool}"
 
 
+def batch_backend_of(worker: WorkerState) -> str:
+    return backend_of(worker) + BATCH_BACKEND
+
+
 def haproxy_weight(weight: float) -> int:
     """A lab weight as HAProxy holds it: a whole number 0..256, above 0 unless it is 0."""
     if weight <= 0:
@@ -87,58 +95,90 @@ class LabBalancer:
         self.socket_path = f"(the lab's simulated router, scenario {run.scenario.name})"
         self.initial = {w.name: haproxy_weight(run.router.weight(w.name)) for w in run.workers}
 
-    def _status(self, worker: WorkerState) -> str:
-        if not worker.up:
-            return "DOWN"
-        return {"drain": "DRAIN", "maint": "MAINT"}.get(self._admin(worker), "UP")
-
-    def _admin(self, worker: WorkerState) -> str:
-        return self.run.router.states.get(worker.name, "ready")
-
-    def _servers(self) -> list[WorkerState]:
-        """The workers whose server is in a pool now (a move takes it out, then adds it)."""
-        return [w for w in self.run.workers if w in self.run.pools[w.plan.pool]]
+    def _servers(self) -> list[_Server]:
+        """The workers whose server is in a pool now (a move takes it out, then adds it), in
+        their pool's backend, and in its batch backend where the pool has one."""
+        run = self.run
+        out = []
+        for w in run.workers:
+            if w not in run.pools[w.plan.pool]:
+                continue
+            via_batch = run.held_via_batch(w) if w.plan.pool == run.split_pool else 0
+            done_via_batch = run.batch_done.get(w.name, 0)
+            admin = run.router.states.get(w.name, "ready")
+            served = w.requests_done - done_via_batch
+            out.append(_Server(backend_of(w), w, admin, w.in_flight - via_batch, served))
+            if w.plan.pool == run.split_pool:
+                admin = run.batch_states.get(w.name, "maint")
+                out.append(_Server(batch_backend_of(w), w, admin, via_batch, done_via_batch))
+        return out
 
     def show_servers_state(self) -> list[ServerState]:
         return [
             ServerState(
-                backend=backend_of(w),
-                server=w.name,
+                backend=s.backend,
+                server=s.worker.name,
                 address="127.0.0.1",
                 port=0,
-                op_state=2 if w.up else 0,
-                admin_state=_ADMIN_BITS[self._admin(w)],
-                uweight=haproxy_weight(self.run.router.weight(w.name)),
-                iweight=self.initial[w.name],
+                op_state=2 if s.worker.up else 0,
+                admin_state=_ADMIN_BITS[s.admin],
+                uweight=haproxy_weight(self.run.router.weight(s.worker.name)),
+                iweight=self.initial[s.worker.name],
             )
-            for w in self._servers()
+            for s in self._servers()
         ]
 
     def show_stat(self) -> list[ServerStat]:
-        servers = [
+        servers = self._servers()
+        rows = [
             _stat_row(
-                backend_of(w),
-                w.name,
-                self._status(w),
-                [w],
+                s.backend,
+                s.worker.name,
+                s.status,
+                [s.worker],
                 self.run,
-                uweight=haproxy_weight(self.run.router.weight(w.name)),
+                uweight=haproxy_weight(self.run.router.weight(s.worker.name)),
+                scur=s.sessions,
+                stot=s.served,
             )
-            for w in self._servers()
+            for s in servers
         ]
-        # each pool's BACKEND row, with the balance algorithm as HAProxy's row names it
-        backends = [
-            _stat_row(
-                f"be_{pool}",
-                "BACKEND",
-                "UP" if any(w.up for w in workers) else "DOWN",
-                workers,
-                self.run,
-                algo=stat_algorithm(self.run.router.policy),
+        # each backend's BACKEND row, with the balance algorithm as HAProxy's row names it
+        names = [f"be_{pool}" for pool in self.run.pools]
+        if self.run.split_pool is not None:
+            names.append(f"be_{self.run.split_pool}{BATCH_BACKEND}")
+        for backend in sorted(names):
+            mine = [s for s in servers if s.backend == backend]
+            rows.append(
+                _stat_row(
+                    backend,
+                    "BACKEND",
+                    "UP" if any(s.worker.up for s in mine) else "DOWN",
+                    [s.worker for s in mine],
+                    self.run,
+                    algo=stat_algorithm(self.run.router.policy),
+                    scur=sum(s.sessions for s in mine),
+                    stot=sum(s.served for s in mine),
+                )
             )
-            for pool, workers in sorted(self.run.pools.items())
-        ]
-        return servers + backends
+        return rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Server:
+    """A worker as one backend's server."""
+
+    backend: str
+    worker: WorkerState
+    admin: str
+    sessions: int  # the requests it holds that came through this backend
+    served: int  # its requests answered that came through this backend
+
+    @property
+    def status(self) -> str:
+        if not self.worker.up:
+            return "DOWN"
+        return {"drain": "DRAIN", "maint": "MAINT"}.get(self.admin, "UP")
 
 
 def _stat_row(
@@ -184,9 +224,10 @@ class LabActuator:
 
     def _server(self, backend: str, server: str) -> WorkerState:
         worker = self.run.by_name.get(server)
+        split = worker is not None and worker.plan.pool == self.run.split_pool
         if (
             worker is None
-            or backend_of(worker) != backend
+            or backend not in (backend_of(worker), *([batch_backend_of(worker)] if split else []))
             or worker not in self.run.pools[worker.plan.pool]
         ):
             raise ActuatorError(f"the lab has no server {backend}/{server}")
@@ -196,6 +237,8 @@ class LabActuator:
         self._server(change.backend, change.server)
         router = self.run.router
         if change.kind == "set_weight":
+            # one weight per worker: the controller weighs a worker's servers in its pool's
+            # backend and its batch backend alike (the same share)
             assert isinstance(change.value, int)
             if not 0 <= change.value <= MAX_WEIGHT:
                 raise ActuatorError(f"weight {change.value} of {change.key} is outside 0..256")
@@ -206,13 +249,15 @@ class LabActuator:
     # the runtime API's server commands, as the mover issues them (RuntimeApiActuator's)
 
     async def set_state(self, backend: str, server: str, state: AdminState) -> None:
-        self._server(backend, server)
-        if state == "ready":
-            self.run.set_server_state(server, None)
-        elif state in ("drain", "maint"):
-            self.run.set_server_state(server, str(state))
-        else:
+        worker = self._server(backend, server)
+        if state not in ("ready", "drain", "maint"):
             raise ActuatorError(f"state {state!r} of {backend}/{server} is not ready|drain|maint")
+        if backend == batch_backend_of(worker):
+            self.run.set_batch_state(server, str(state))
+        elif state == "ready":
+            self.run.set_server_state(server, None)
+        else:
+            self.run.set_server_state(server, str(state))
 
     async def add_server(
         self, backend: str, server: str, host: str, port: int, weight: int

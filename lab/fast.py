@@ -25,7 +25,7 @@ from gpubalance.lab.figures import ClassFigures, Telemetry, WorkerFigures
 from gpubalance.lab.model.memory import Allocation, AllocationFailed, KvRegion
 from gpubalance.lab.model.service import ServiceModel
 from gpubalance.lab.routing import Router
-from gpubalance.lab.scenario import Event, Plan, PlannedGpu, PlannedWorker
+from gpubalance.lab.scenario import BATCH_CLASS, Event, Plan, PlannedGpu, PlannedWorker
 from gpubalance.lab.workload import Request, RequestRecord
 from gpubalance.telemetry import Sample
 
@@ -152,6 +152,13 @@ class FastRun:
         for w in self.workers:
             self.pools.setdefault(w.plan.pool, []).append(w)
         self.central: dict[str, deque[Request]] = {p: deque() for p in self.pools}
+        # the pool with a batch backend, as HAProxy's `be_<pool>_batch`: each of its workers'
+        # admin state there (in maint until a split readies it; absent: maint), and the
+        # requests that came through it
+        self.split_pool = plan.splittable
+        self.batch_states: dict[str, str] = {}
+        self.via_batch: set[int] = set()
+        self.batch_done: dict[str, int] = {}  # per worker, of the requests it answered
         self.records: list[RequestRecord] = []
         # when each request reached its worker, and that worker's batch queue, by id: where it
         # waited, for the benchmark's idle-while-queued
@@ -241,6 +248,13 @@ class FastRun:
             self._dispatch_pool(pool_name)
             return
         pool = self.pools[pool_name]
+        if request.service_class == BATCH_CLASS and pool_name == self.split_pool:
+            # the frontend's `nbsrv(be_<pool>_batch) gt 0`: the batch backend while it has one
+            split = [w for w in pool if w.accepting and self.takes_batch(w.name)]
+            if split:
+                self.via_batch.add(request.id)
+                self._admit(request, self.router.pick(split, split, request.session))  # type: ignore[arg-type]
+                return
         up = [w for w in pool if w.accepting and self.router.takes(w.name)]
         if not up:
             self._reject(request, 0.0, pool_name)  # no server available: HAProxy answers 503
@@ -435,6 +449,8 @@ class FastRun:
         del worker.current[request.id]
         worker.in_flight -= 1
         worker.requests_done += 1
+        if request.id in self.via_batch:
+            self.batch_done[worker.name] = self.batch_done.get(worker.name, 0) + 1
         worker.request_duration_sum += now - request.arrival_seconds
         worker.prompt_tokens += request.prompt_tokens
         worker.generation_tokens += request.output_tokens
@@ -489,11 +505,30 @@ class FastRun:
         return found[0]
 
     def in_service(self, worker: WorkerState) -> bool:
-        """The worker's server is one of its pool's and not in maint."""
-        return (
-            worker in self.pools[worker.plan.pool]
-            and self.router.states.get(worker.name) != "maint"
+        """The worker's server is one of its pool's and not in maint (in its pool's backend, or
+        in its batch backend)."""
+        return worker in self.pools[worker.plan.pool] and (
+            self.router.states.get(worker.name) != "maint"
+            or self.batch_states.get(worker.name, "maint") != "maint"
         )
+
+    def takes_batch(self, name: str) -> bool:
+        """Whether the batch backend sends the worker new requests: ready there, weighted."""
+        return self.batch_states.get(name, "maint") == "ready" and self.router.weight(name) > 0
+
+    def set_batch_state(self, name: str, state: str) -> None:
+        """The worker's admin state in its pool's batch backend: "ready", "drain" or "maint"."""
+        worker = self.by_name[name]
+        if worker.plan.pool != self.split_pool:
+            raise ValueError(f"worker {name} is not of the pool with a batch backend")
+        was = self.in_service(worker)
+        self.batch_states[name] = state
+        self._note_service(worker, was)
+
+    def held_via_batch(self, worker: WorkerState) -> int:
+        """Of the requests the worker holds, those the batch backend sent it."""
+        held = [*worker.preparing, *(r.id for r, _ in worker.queue), *worker.current]
+        return sum(1 for i in held if i in self.via_batch)
 
     def _note_service(self, worker: WorkerState, was: bool) -> None:
         if (now := self.in_service(worker)) != was:

@@ -27,6 +27,8 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 GIB = 1024 * MIB
 # a pool offered more than this many times what its workers can serve is a run of queues
 OVERLOAD_WARNING_RATIO = 3.0
+# the service class a split serves from GPUs of its own (`X-Class: batch`)
+BATCH_CLASS = "batch"
 
 Policy = Literal[
     "round_robin", "weighted_round_robin", "least_connections", "random_of_2", "sticky", "pooled"
@@ -220,6 +222,21 @@ class Plan:
 
     def workers_in(self, pool: str) -> tuple[PlannedWorker, ...]:
         return tuple(w for w in self.workers if w.pool == pool)
+
+    @property
+    def splittable(self) -> str | None:
+        """The pool that serves the batch class beside another one, under a policy that picks
+        a server per request: it has a batch backend (`be_<pool>_batch`, its servers in maint)
+        that the batch class goes to while one of them is ready, which a controller's split
+        readies. None where no pool does."""
+        if self.scenario.router.policy == "pooled":
+            return None  # maxconn counts per backend line: a worker's slots would count twice
+        classes = {t.service_class for t in self.scenario.traffic}
+        if BATCH_CLASS not in classes:
+            return None
+        pool = self.pool_of(BATCH_CLASS)
+        shared = any(self.pool_of(c) == pool for c in classes - {BATCH_CLASS})
+        return pool if shared else None
 
     def warnings(self, duration_seconds: float | None = None, seed: int | None = None) -> list[str]:
         """What this valid scenario will still do wrong in a run of this duration and seed (the

@@ -105,6 +105,7 @@ class Server:
     weight: int = 100  # 0..256; relative share under round robin, 0 takes no new requests
     maxconn: int | None = None  # requests in flight at once; more wait in the backend queue
     cookie: str | None = None  # sticky cookie value; sticky backends default it to the name
+    disabled: bool = False  # starts in maint (`disabled`) until the runtime API readies it
 
     def __post_init__(self) -> None:
         check_name("server name", self.name)
@@ -210,6 +211,9 @@ class Frontend:
     default_backend: str
     routes: Mapping[str, str] = field(default_factory=dict)  # header value → backend name
     header: str = "X-Class"
+    # header value → backend, taken before `routes` while the backend has a usable server
+    # (`nbsrv`): a pool's batch backend, whose servers a controller's split readies
+    routes_while_up: Mapping[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
@@ -220,7 +224,7 @@ class Frontend:
             raise ValueError(f"frontend {self.name}: port {self.port} is outside 1..65535")
         if not HEADER_NAME.fullmatch(self.header):
             raise ValueError(f"frontend {self.name}: header {self.header!r} is not a header name")
-        for value in self.routes:
+        for value in (*self.routes, *self.routes_while_up):
             check_name(f"frontend {self.name} {self.header} value", value)
 
 
@@ -253,7 +257,8 @@ class HaproxyConfig:
                 raise ValueError(f"{kind} names repeat: {names}")
         known = {backend.name for backend in self.backends}
         for frontend in self.frontends:
-            for target in (frontend.default_backend, *frontend.routes.values()):
+            targets = (*frontend.routes.values(), *frontend.routes_while_up.values())
+            for target in (frontend.default_backend, *targets):
                 if target not in known:
                     raise ValueError(
                         f"frontend {frontend.name} routes to backend {target!r}, "
@@ -328,6 +333,11 @@ def render(config: HaproxyConfig) -> str:
     for frontend in config.frontends:
         lines += ["", f"frontend {frontend.name}", f"    bind {frontend.host}:{frontend.port}"]
         lines += [
+            f"    use_backend {backend} if {{ req.hdr({frontend.header}) -m str {value} }} "
+            f"{{ nbsrv({backend}) gt 0 }}"
+            for value, backend in frontend.routes_while_up.items()
+        ]
+        lines += [
             f"    use_backend {backend} if {{ req.hdr({frontend.header}) -m str {value} }}"
             for value, backend in frontend.routes.items()
         ]
@@ -358,6 +368,8 @@ def render(config: HaproxyConfig) -> str:
                 line += f" cookie {backend.cookie_of(server)}"
             if backend.health_check_path is not None:
                 line += f" check inter {_duration(backend.health_check_interval_seconds)}"
+            if server.disabled:
+                line += " disabled"
             lines.append(line)
     if config.stats_port is not None:
         lines += [

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from gpubalance.controller.plan import BATCH_BACKEND
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
 from gpubalance.lab.figures import (
@@ -51,7 +52,7 @@ from gpubalance.lab.live.procfs import write_procfs
 from gpubalance.lab.live.worker import PORT_TAKEN_EXIT, Shared, WorkerConfig, config_json
 from gpubalance.lab.live.worker import main as worker_main
 from gpubalance.lab.routing import sticky_target
-from gpubalance.lab.scenario import Event, Plan, PlannedWorker
+from gpubalance.lab.scenario import BATCH_CLASS, Event, Plan, PlannedWorker
 from gpubalance.lab.workload import Request, RequestRecord
 from gpubalance.telemetry import Sample
 
@@ -260,10 +261,22 @@ class LiveLab:
         default = (
             "be_default" if any(b.name == "be_default" for b in backends) else backends[0].name
         )
+        split: dict[str, str] = {}
+        if (pool := self.plan.splittable) is not None:
+            # the pool's batch backend: its servers in maint until a controller's split
+            # readies the batch side's, and the batch class goes there while one is up
+            shared = next(b for b in backends if b.name == f"be_{pool}")
+            servers = tuple(replace(s, disabled=True) for s in shared.servers)
+            backends.append(replace(shared, name=f"be_{pool}{BATCH_BACKEND}", servers=servers))
+            split = {BATCH_CLASS: f"be_{pool}{BATCH_BACKEND}"}
         return haproxy.HaproxyConfig(
             frontends=(
                 haproxy.Frontend(
-                    name="fe_lab", port=self.frontend_port, default_backend=default, routes=routes
+                    name="fe_lab",
+                    port=self.frontend_port,
+                    default_backend=default,
+                    routes=routes,
+                    routes_while_up=split,
                 ),
             ),
             backends=tuple(backends),

@@ -16,7 +16,7 @@ from gpubalance.analyzer.frames import (
 )
 from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario, traffic
-from gpubalance.lab.fast import ORIGIN_SECONDS
+from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun
 from gpubalance.telemetry import Sample
 
 WINDOW = 30.0
@@ -158,6 +158,30 @@ def test_the_slow_class_work_share_is_the_batch_class_share_of_the_serving(
         skewed, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
     )
     assert all(f.slow_class_work_share is None for f in one)
+
+
+def test_a_class_whose_queue_is_listed_but_gets_no_request_is_not_served() -> None:
+    """The lab's workers list a queue per class of their pool, as a server with class queues
+    does; once a split sends the batch class to GPU 3 alone, the others serve interactive
+    requests only, and their frames say so (GPU 3's: batch only, now and then none)."""
+    plan = scenario.load("mixed-interactive-batch")
+    requests = traffic.generate(plan.scenario.traffic, 180, 1)
+    run = FastRun(plan, requests, 1, 180)
+    run.start()
+    run.set_batch_state("w3", "ready")  # the batch class's own backend
+    run.set_server_state("w3", "maint")  # out of the shared one
+    run.finish()
+    records = [r for r in run.records if r.outcome == "ok"]
+    assert {r.gpu for r in records if r.service_class == "batch"} == {3}
+    assert {r.gpu for r in records if r.service_class == "interactive"} == {0, 1, 2}
+    frames = list(
+        frames_from_samples(
+            run.samples, window_seconds=WINDOW, interval_seconds=1.0, origin=ORIGIN_SECONDS
+        )
+    )
+    assert {f.service_classes for f in frames if f.gpu != 3} == {("interactive",)}
+    assert {f.service_classes for f in frames if f.gpu == 3} <= {("batch",), ()}
+    assert ("batch",) in {f.service_classes for f in frames if f.gpu == 3}
 
 
 def test_the_skewed_server_shows_its_skew(skewed: tuple[list[Sample], Path]) -> None:

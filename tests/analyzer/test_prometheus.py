@@ -170,8 +170,9 @@ def fleet_openmetrics() -> str:
                     20 + 0.25 * t,
                     j,
                 )
-            # serving: GPU 0's queue by UUID, 10 requests/s, restarting at sample 21; GPU 1's
-            # queue by index alone (a source without UUIDs), 2 requests/s
+            # serving: GPU 0's queue by UUID, 10 requests/s, restarting at sample 21 (and an
+            # idle class queue beside it); GPU 1's queue by index alone (a source without
+            # UUIDs), 2 requests/s
             done = 1000 + 10 * t if j < 21 else 10 * (t - 107) + 50
             w0 = {"gpu": "0", "uuid": "GPU-a0", "worker": "w0", "class": "interactive"}
             queues = [({**w0, "source": "vllm"}, 4.0 + j % 3, 8.0, done, 0.5 + 0.05 * (j % 3))]
@@ -194,6 +195,11 @@ def fleet_openmetrics() -> str:
                 if labels["source"] == "vllm":  # Triton counts no tokens
                     add("gpubalance_prompt_tokens_total", queue, 600 * requests, j)
                     add("gpubalance_generation_tokens_total", queue, 50 * requests, j)
+            # w0 lists a batch class queue too, which no request comes to: not a class served
+            idle = {**job, **w0, "source": "vllm", "queue": "llama", "class": "batch"}
+            add("gpubalance_queue_depth", idle, 0.0, j)
+            add("gpubalance_request_duration_seconds_count", idle, 0.0, j)
+            add("gpubalance_request_duration_seconds_sum", idle, 0.0, j)
     lines = [line for name in sorted(series) for line in sorted(series[name], key=_series_order)]
     return "\n".join([*lines, "# EOF", ""])
 

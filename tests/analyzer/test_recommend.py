@@ -319,7 +319,7 @@ def test_a_slow_batcher_is_told_to_stop_waiting() -> None:
     assert found[0].parameters["max_queue_delay_seconds"] == 0.0
 
 
-def _split(share: float | None, classes: dict[int, tuple[str, ...]]) -> Recommendation:
+def _mixed(share: float | None, classes: dict[int, tuple[str, ...]]) -> tuple[Recommendation, ...]:
     frames = [
         _frame(
             g,
@@ -330,12 +330,16 @@ def _split(share: float | None, classes: dict[int, tuple[str, ...]]) -> Recommen
             completions_per_second=4.0,
             service_classes=classes[g],
             slow_class_work_share=share if len(classes[g]) > 1 else None,
+            workers=(f"w{g}",),
         )
         for w in range(3)
         for g in classes
     ]
-    found = _by_labels(frames, dict.fromkeys(classes, "overloaded/class_interference"))
-    return next(r for r in found if r.action == "split_pools")
+    return _by_labels(frames, dict.fromkeys(classes, "overloaded/class_interference"))
+
+
+def _split(share: float | None, classes: dict[int, tuple[str, ...]]) -> Recommendation:
+    return next(r for r in _mixed(share, classes) if r.action == "split_pools")
 
 
 def test_interactive_behind_batch_work_is_split_out() -> None:
@@ -358,6 +362,9 @@ def test_a_split_gives_the_batch_class_gpus_by_its_share_of_the_work() -> None:
     after = expected.rho_after
     assert after[0] == pytest.approx(after[1]) == pytest.approx(after[3])
     assert after[0] == pytest.approx(sum(expected.rho_before.values()) / 4, rel=0.01)
+    # the controller finds the backends by the workers of each side
+    assert split.parameters["batch_workers"] == ["w0"]
+    assert split.parameters["interactive_workers"] == ["w1", "w2", "w3"]
     # three quarters: the other way round
     split = _split(0.75, dict.fromkeys(range(4), both))
     assert split.parameters["batch_gpus"] == [0, 1, 2]
@@ -367,6 +374,19 @@ def test_a_split_gives_the_batch_class_gpus_by_its_share_of_the_work() -> None:
     assert split.parameters["batch_gpus"] == [0]  # of three alike: the side nearer half
     assert split.expected is not None
     assert split.expected.rho_after[3] == pytest.approx(split.expected.rho_before[3])
+
+
+def test_a_pool_whose_gpus_serve_its_classes_apart_is_not_split_again() -> None:
+    """After a split the verdicts lag: GPUs still judged for the interference of the windows
+    before it, while each serves one class now. No split is asked of those."""
+    apart = {0: ("batch",), 1: ("interactive",), 2: ("interactive",), 3: ("interactive",)}
+    assert [r for r in _mixed(0.25, apart) if r.action == "split_pools"] == []
+    # one GPU still serving both (a split's first windows) is not a pool to split either
+    assert [
+        r for r in _mixed(0.25, {**apart, 1: ("batch", "interactive")}) if r.action == "split_pools"
+    ] == []
+    # a pool whose queues report no classes (as from a server without class queues) still is
+    assert _split(None, dict.fromkeys(range(4), ())).parameters["batch_gpus"] == [0, 1]
 
 
 def test_bad_settings_are_named() -> None:

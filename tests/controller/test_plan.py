@@ -672,3 +672,79 @@ def test_a_removal_and_a_share_for_the_same_server_are_contradictory() -> None:
         ("r", "contradictory"),
         ("x", "contradictory"),
     }
+
+
+def _shared_and_batch(batch_ready: Sequence[str] = ()) -> Observed:
+    names = ["w0", "w1", "w2", "w3"]
+    return observed(
+        *(server(n, "be") for n in names),
+        *(server(n, "be_batch", admin="ready" if n in batch_ready else "maint") for n in names),
+    )
+
+
+SPLIT = {"batch_workers": ["w3"], "interactive_workers": ["w0", "w1", "w2"]}
+
+
+def test_a_split_readies_the_batch_side_in_its_backend_then_takes_it_out_of_the_shared_one() -> (
+    None
+):
+    recs = [rec("s", "split_pools", "pool:m", SPLIT, cost_rank=4)]
+    state = _shared_and_batch()
+    steps = []
+    for _ in range(5):
+        result = plan(state, recs, (), SETTINGS)
+        if result.converged:
+            break
+        steps.append([(c.key, c.value) for c in result.changes])
+        state = apply(state, result.changes)
+    assert steps == [
+        [("be_batch/w3", "ready")],
+        [("be/w3", "drain")],
+        [("be/w3", "maint")],
+    ]
+    assert result.converged == ("s",) and result.changes == ()
+
+    # the pool's next re-weighting gives w3 a share: it stays out of the shared backend
+    shares = [{"gpu": g, "worker": f"w{g}", "weight": 0.25} for g in range(4)]
+    reweigh = rec("r", "set_weights", "pool:m", {"weights": shares}, cost_rank=1)
+    taken_out = frozenset({"be/w3"})
+    later = plan(state, [reweigh], (), SETTINGS, taken_out)
+    assert not [c for c in later.changes if c.kind == "set_state"]
+    # without the split, a share readies a server the controller took out, as before
+    unsplit = replace(
+        state,
+        servers={
+            **state.servers,
+            "be_batch/w3": replace(state.servers["be_batch/w3"], admin="maint"),
+        },
+    )
+    back = plan(unsplit, [reweigh], (), SETTINGS, taken_out)
+    assert [(c.key, c.value) for c in back.changes if c.kind == "set_state"] == [("be/w3", "ready")]
+
+
+@pytest.mark.parametrize(
+    ("state", "parameters", "reason", "found"),
+    [
+        (
+            observed(*(server(f"w{i}") for i in range(4))),
+            SPLIT,
+            "unknown_target",
+            "use_backend be_batch if { req.hdr(X-Class) -m str batch } { nbsrv(be_batch) gt 0 }",
+        ),
+        (_shared_and_batch(), {"batch_workers": ["w3"]}, "unknown_target", "names no worker"),
+        (
+            _shared_and_batch(),
+            {"batch_workers": ["w3"], "interactive_workers": ["w2", "w3"]},
+            "bad_parameters",
+            "on both sides",
+        ),
+        (_shared_and_batch(["w2"]), SPLIT, "already_split", "from w2 already, not w3"),
+    ],
+)
+def test_a_split_the_controller_cannot_make_is_refused_with_the_reason(
+    state: Observed, parameters: Mapping[str, object], reason: str, found: str
+) -> None:
+    result = plan(state, [rec("s", "split_pools", "pool:m", parameters)], (), SETTINGS)
+    [refusal] = result.refusals
+    assert result.changes == () and (refusal.reason, refusal.ack) == (reason, "rejected")
+    assert found in refusal.detail

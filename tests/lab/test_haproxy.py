@@ -175,6 +175,30 @@ def test_haproxy_accepts_every_policy(tmp_path: Path, policy: str) -> None:
 
 
 @needs_haproxy
+def test_the_live_lab_gives_a_pool_serving_batch_beside_chat_a_batch_backend(
+    tmp_path: Path,
+) -> None:
+    from gpubalance.lab.live.run import LiveLab
+    from gpubalance.lab.scenario import load
+
+    mixed = LiveLab(load("mixed-interactive-batch"), [], 1.0, run_dir=tmp_path / "mixed")
+    text = render(mixed._haproxy_config())
+    assert (
+        "    use_backend be_default_batch if { req.hdr(X-Class) -m str batch } "
+        "{ nbsrv(be_default_batch) gt 0 }\n"
+    ) in text
+    split = text.split("backend be_default_batch\n")[1]
+    assert split.count(" disabled\n") == 4 and "server w3 127.0.0.1:" in split
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(text)
+    check(path)
+    # one class, or classes in pools of their own: nothing to split
+    for name in ("skewed-heterogeneous", "separate-pools"):
+        lab = LiveLab(load(name), [], 1.0, run_dir=tmp_path / name)
+        assert "_batch" not in " ".join(b.name for b in lab._haproxy_config().backends)
+
+
+@needs_haproxy
 def test_check_raises_with_haproxys_message(tmp_path: Path) -> None:
     config = one_backend(tmp_path, Backend("be", (Server("gpu0", "127.0.0.1", 19000),)))
     path = tmp_path / "haproxy.cfg"

@@ -202,6 +202,30 @@ def test_on_a_skewed_scenario_the_controller_beats_round_robin() -> None:
     assert ctl.failed == rr.failed == 0
 
 
+def test_on_a_shared_queue_the_controller_splits_the_batch_class_out(tmp_path: Path) -> None:
+    """Chat behind summaries in one queue per GPU: the analyzer recommends a split, the
+    controller readies the batch side in the pool's batch backend, then takes it out of the
+    shared one, and chat no longer waits behind the batch class."""
+    plan = scenario.load("mixed-interactive-batch")
+    audit = tmp_path / "audit.jsonl"
+    ctl = run_policy(plan, "controller", 11, 300.0, audit_to=audit)
+    lc = run_policy(plan, "leastconn", 11, 300.0)
+    applied = [
+        (e["action"], e["target"])
+        for e in map(json.loads, audit.read_text().splitlines())
+        if e["decision"] == "applied"
+    ]
+    split = [target for action, target in applied if target.startswith("be_default_batch/")]
+    assert split and {a for a, t in applied if t in split} == {"ready"}
+    batch_side = {t.split("/")[1] for t in split}
+    assert {(a, t.split("/")[1]) for a, t in applied if t.startswith("be_default/")} == {
+        (action, w) for w in batch_side for action in ("drain", "maint")
+    }
+    assert ctl.recommended.get("split_pools", 0) >= 1
+    assert ctl.latency["interactive"].p99_seconds < lc.latency["interactive"].p99_seconds
+    assert ctl.failed == lc.failed == 0
+
+
 def test_an_action_per_freeze_is_a_recommendation_carried_out_on_a_server() -> None:
     def applied(at: float, target: str, rec: str) -> dict[str, Any]:
         return {"at_seconds": at, "target": target, "recommendation": rec}
