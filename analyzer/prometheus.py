@@ -13,8 +13,9 @@ Prometheus only has what the exporter exposes or what PromQL computes:
 - Gauges are the exporter's last background sample as of each scrape: Prometheus' view lags the
   exporter's by up to one sampling interval, and scraping faster than the exporter samples
   repeats samples. ``sample_count`` counts scrapes of the GPU; ``expected_sample_count`` comes
-  from ``scrape_interval_seconds`` when given, else from the ``up`` series (the most scrapes any
-  window of the asked range holds for the host, so pass the interval for short ranges).
+  from ``scrape_interval_seconds`` when given, else from the ``up`` series (the median of the
+  scrapes the windows of the asked range hold for the host, so pass the interval for short
+  ranges).
 - ``utilization_mean_ratio`` and ``throttled_ratio`` come from the exporter's window gauges
   (``gpubalance_gpu_utilization_ratio``, ``gpubalance_gpu_throttled_ratio``: figures over its
   ``--window``), as Prometheus has no NVML samples: their last value in the window when the
@@ -63,6 +64,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -920,9 +922,16 @@ class _Assembly:
         if scrape_interval is not None:
             expected = np.full(gpus, max(1, round(w / scrape_interval)))
         else:
-            # the scrapes attempted in the fullest window, failed ones included
-            attempted = np.nanmax(np.fmax(self.host("up"), scrapes), axis=1)
-            expected = np.maximum(1, np.nan_to_num(attempted)).astype(int)
+            # the scrapes attempted in a window, failed ones included: the median over the
+            # windows the host was scraped in. Not the most: a scrape that starts late on a
+            # busy Prometheus puts one more in a window than its interval does, and every
+            # other window would then read as one short
+            attempted = np.fmax(self.host("up"), scrapes)
+            attempted[~(attempted > 0)] = np.nan
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a GPU never scraped: NaN
+                typical = np.nanmedian(attempted, axis=1)
+            expected = np.maximum(1, np.round(np.nan_to_num(typical))).astype(int)
         serving, queue_labels = self._serving_figures()
         processes, cores, reads = self._feed()
         figures = {

@@ -510,6 +510,32 @@ def test_host_cpu_comes_from_the_exporters_sum_over_cpus(recording: Recording) -
     assert not [query for query in selected if "gpubalance_host_cpu_seconds_total" in query]
 
 
+def test_a_scrape_late_into_the_next_window_leaves_the_others_whole(
+    recording: Recording, fleet: dict[tuple[str, str, int], GpuFrame]
+) -> None:
+    """A busy Prometheus starts a scrape late now and then, and one window holds a scrape more
+    than its interval gives: the windows expected to hold are the host's usual count, so the
+    others stay whole (it was the most any window held, and every other window read short)."""
+    jittered = dict(recording)
+    [key] = [k for k in recording if '"max by (instance) (count_over_time(up[30s]))"' in k]
+    body = json.loads(recording[key]["body"])
+    for series in body["data"]["result"]:
+        if series["metric"]["instance"] == A:
+            series["values"][2][1] = "7"  # window 2 caught a late scrape of window 3
+    jittered[key] = {**recording[key], "body": json.dumps(body)}
+    server = replay(jittered)
+    try:
+        frames = by_key(PrometheusSource(server.url).frames(T0, END, WINDOW))
+    finally:
+        server.shutdown()
+    for key, frame in fleet.items():
+        assert frame.expected_sample_count == 6
+        assert (frames[key].sample_count, frames[key].expected_sample_count) == (
+            frame.sample_count,
+            6,
+        ), key
+
+
 def test_hosts_narrow_every_query(replayed: str) -> None:
     frames = PrometheusSource(replayed, scrape_interval_seconds=SCRAPE).frames(
         T0, END, WINDOW, hosts=[B]
