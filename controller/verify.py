@@ -23,6 +23,10 @@ controller returns one it took out when the analyzer sees its pool needs it, tha
 demand has risen, so the freeze after is slower than the one before for the demand's sake,
 and an undo would leave the pool short when it needs the server most (seen on a lab day whose
 demand ebbs and comes back). A person's drain or maint the controller never readies.
+
+A split (controller/plan.py) readies its batch side in a pool's batch backend, which had no
+traffic before it: it is judged by the shared backend it was split from (the interactive
+requests it is for), and that readying is no capacity returned.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpubalance.controller.model import Change, ChangeKind, Observed
+from gpubalance.controller.plan import BATCH_BACKEND
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +114,15 @@ class Watch:
 
     @property
     def returned(self) -> list[str]:
-        """The servers it put back in rotation."""
+        """The servers it put back in rotation (a split readying its batch side in the batch
+        backend returns none: the same servers leave the shared one)."""
         return sorted(
             c.key
             for c in self.firsts.values()
-            if c.kind == "set_state" and c.value == "ready" and c.before != "ready"
+            if c.kind == "set_state"
+            and c.value == "ready"
+            and c.before != "ready"
+            and not c.backend.endswith(BATCH_BACKEND)
         )
 
     def undo(self, observed: Observed) -> list[Change]:
@@ -135,12 +144,13 @@ class Verdict:
     before: TimeInSystem
     after: TimeInSystem
     worse: bool
+    backend: str  # whose time in the system judged it (Verifier.judged_on)
 
     @property
     def reason(self) -> str:
         verb = "undone" if self.worse else "kept"
         text = (
-            f"{verb}: {self.watch.backend}'s mean time in the system {_text(self.after)} over "
+            f"{verb}: {self.backend}'s mean time in the system {_text(self.after)} over "
             f"the freeze after it, {_text(self.before)} before it"
         )
         if self.watch.returned:
@@ -202,12 +212,22 @@ class Verifier:
         first = watch is None
         if watch is None:
             # the pass that acted saw the state before it: it closes the stretch before
-            history = self.history.get(change.backend, ())
+            history = self.history.get(self.judged_on(change.backend), ())
             before = time_in_system(history, now - self.freeze_seconds, now)
             watch = Watch(change.recommendation_id, change.backend, now, now, before)
             self.watches[change.recommendation_id] = watch
         watch.add(change, now)
         return watch.before if first else None
+
+    def judged_on(self, backend: str) -> str:
+        """The backend whose time in the system judges a change of ``backend``: itself, or
+        for a pool's batch backend the shared one it was split from, whose interactive
+        requests a split is for (the batch backend had no traffic before it); the passes
+        observed say whether that one exists."""
+        shared = backend.removesuffix(BATCH_BACKEND)
+        if backend.endswith(BATCH_BACKEND) and shared in self.history:
+            return shared
+        return backend
 
     def resume(self, entries: Iterable[Mapping[str, Any]], now: float) -> None:
         """The watches of the audit log's changes not yet verified: its `applied` lines of
@@ -246,11 +266,12 @@ class Verifier:
             if now - watch.last_at < self.freeze_seconds:
                 continue
             del self.watches[rec_id]
-            history = self.history.get(watch.backend, ())
+            judged = self.judged_on(watch.backend)
+            history = self.history.get(judged, ())
             before = watch.before
             after = time_in_system(history, watch.last_at, watch.last_at + self.freeze_seconds)
             if before is None or after is None:
                 continue
             slower = worse(before, after, self.worse_ratio)
-            out.append(Verdict(watch, before, after, slower and not watch.returned))
+            out.append(Verdict(watch, before, after, slower and not watch.returned, judged))
         return out

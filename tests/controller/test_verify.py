@@ -17,7 +17,14 @@ from gpubalance.controller.audit import AuditLog
 from gpubalance.controller.loop import Controller
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Change, Observed, ObservedServer, Settings
-from gpubalance.controller.verify import Load, TimeInSystem, Verifier, time_in_system, worse
+from gpubalance.controller.verify import (
+    Load,
+    TimeInSystem,
+    Verdict,
+    Verifier,
+    time_in_system,
+    worse,
+)
 from gpubalance.diagnosis import Ack, AckStatus, Recommendation
 from gpubalance.lab import scenario, traffic
 from gpubalance.lab.control import LabActuator, LabBalancer
@@ -96,6 +103,46 @@ def test_a_server_returned_to_rotation_is_kept_when_demand_made_the_backend_slow
     assert not judged(Change("set_state", "be", "s3", "ready", "maint", "r"))
     assert judged(Change("set_state", "be", "s3", "maint", "drain", "r"))
     assert judged(Change("set_weight", "be", "s3", 200, 100, "r"))
+
+
+def test_a_split_is_judged_by_the_shared_backend_and_undone_both_ways() -> None:
+    """A split readies its batch side in the batch backend, which had no traffic before: it
+    is judged by the shared backend's time in the system (the interactive requests it is
+    for), and its readying there returns no capacity that would keep it whatever."""
+
+    def judged(after_seconds_each: int) -> Verdict:
+        verifier = Verifier(freeze_seconds=20.0, worse_ratio=1.25)
+        # be: 1 s a request before the split at 20 s; after it `after_seconds_each`
+        in_flight = 2 * after_seconds_each
+        shared = [(0.0, 2, 0), (10.0, 2, 20), (20.0, 2, 40), (30.0, in_flight, 60)]
+        verifier.history["be"] = deque(Load(*load) for load in [*shared, (40.0, in_flight, 80)])
+        batch = [(0.0, 0, 0), (10.0, 0, 0), (20.0, 0, 0), (30.0, 1, 5), (40.0, 1, 10)]
+        verifier.history["be_batch"] = deque(Load(*load) for load in batch)
+        verifier.applied(Change("set_state", "be_batch", "w3", "ready", "maint", "s"), 20.0)
+        verifier.applied(Change("set_state", "be", "w3", "drain", "ready", "s"), 20.0)
+        verifier.applied(Change("set_state", "be", "w3", "maint", "drain", "s"), 20.0)
+        [verdict] = verifier.due(40.0)
+        assert verdict.backend == "be" and verdict.before.seconds == pytest.approx(1.0)
+        return verdict
+
+    kept = judged(1)
+    assert not kept.worse and kept.reason.startswith("kept: be's mean time")
+    undone = judged(3)
+    assert undone.worse
+    now = Observed(
+        40.0,
+        {
+            s.key: s
+            for s in (
+                ObservedServer("be_batch", "w3", "ready", 100, 100, True, 1),
+                ObservedServer("be", "w3", "maint", 100, 100, True, 0),
+            )
+        },
+    )
+    assert [(c.key, c.value) for c in undone.watch.undo(now)] == [
+        ("be_batch/w3", "maint"),
+        ("be/w3", "ready"),
+    ]
 
 
 def _at(t: float, in_flight: int, served: int) -> Observed:
