@@ -10,9 +10,12 @@ not given) and its `controller:` section (`controller.workers`: the worker comma
 to let the controller move workers between pools). The analyzer's settings are flags.
 
 The parts start at once, each told where the one it reads listens; a part is up once it logs
-"listening on URL" (keep their --log-level at info). SIGINT or SIGTERM stops the three
-(controller first) and exits 0. A part that exits on its own is named and the others are
-stopped: the command exits 1 (2 when a part refused its input at start), never leaving a
+"listening on URL" (keep their --log-level at info). Each part's listening socket is bound here
+and handed down (its file descriptor in GPUBALANCE_LISTEN_FD), so that a port chosen here,
+port 0 made a free one included, cannot be taken by another process before the part binds it.
+SIGINT or SIGTERM stops the three (controller first) and exits 0. A part that exits on its
+own is named and the others are stopped: the command exits 1 (2 when a part refused its input
+at start; every part that fails at start is named, not only the first), never leaving a
 half-running stack.
 """
 
@@ -39,6 +42,8 @@ DEFAULT_AUDIT_LOG = "gpubalance-controller-audit.jsonl"
 # each part logs "listening on URL" once it serves: what the next part is given
 LISTENING = re.compile(r"listening on (https?://\S+)")
 START_TIMEOUT_SECONDS = 60.0
+# once a part failed at start, how long the others still have to fail too and say why
+SETTLE_SECONDS = 10.0
 STOP_TIMEOUT_SECONDS = 30.0
 _EXAMPLES = {  # of --PART-args, in --help
     "exporter": "--names both",
@@ -129,16 +134,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    listeners: dict[str, socket.socket] = {}
     try:
-        commands = _commands(args)
+        commands = _commands(args, listeners)
     except BadInput as exc:
+        for sock in listeners.values():
+            sock.close()
         print(f"gpubalance run: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(supervise(commands))
+    try:
+        return asyncio.run(supervise(commands, listeners))
+    finally:
+        for sock in listeners.values():
+            sock.close()
 
 
-def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Each part's command line; checks what the parts cannot check before they start."""
+def _commands(
+    args: argparse.Namespace, listeners: dict[str, socket.socket]
+) -> dict[str, list[str]]:
+    """Each part's command line; checks what the parts cannot check before they start, and
+    binds each part's listening socket into ``listeners``."""
     from gpubalance.config import ConfigError, load_section
     from gpubalance.exporter.config import ExporterConfig
 
@@ -163,11 +178,17 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
         exporter_listen = exporter.listen
     else:
         exporter_listen = DEFAULT_EXPORTER_LISTEN
-    exporter_listen = _address(exporter_listen, "--exporter-listen")
-    analyzer_listen = _address(args.analyzer_listen, "--analyzer-listen")
-    controller_listen = _address(args.controller_listen, "--controller-listen")
+    exporter_listen = _address(exporter_listen, "--exporter-listen", listeners, "exporter")
+    analyzer_listen = _address(args.analyzer_listen, "--analyzer-listen", listeners, "analyzer")
+    controller_listen = _address(
+        args.controller_listen, "--controller-listen", listeners, "controller"
+    )
     if exporter.serving.otlp.enabled:
-        _address(exporter.serving.otlp.listen, "exporter.serving.otlp.listen")
+        probe: dict[str, socket.socket] = {}  # its port is its own setting: checked only
+        try:
+            _address(exporter.serving.otlp.listen, "exporter.serving.otlp.listen", probe, "otlp")
+        finally:
+            probe["otlp"].close()
     gpubalance = [sys.executable, "-m", "gpubalance"]
     config = ["--config", args.config] if args.config else []
     token = ["--token-file", args.token_file] if args.token_file else []
@@ -204,10 +225,11 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def _address(listen: str, setting: str) -> str:
-    """``listen`` with its port, once checked free: an address already taken is refused
-    before anything starts, and port 0 becomes a free port now, so that the part that reads
-    this one can be given its URL at start."""
+def _address(listen: str, setting: str, listeners: dict[str, socket.socket], name: str) -> str:
+    """``listen`` with its port, bound and listening in ``listeners[name]``: an address already
+    taken is refused before anything starts, and port 0 becomes a free port now, so that the
+    part that reads this one can be given its URL at start (and, handed the socket, the part
+    cannot lose that port to another process before it serves)."""
     from gpubalance.webconfig import parse_listen
 
     try:
@@ -215,15 +237,17 @@ def _address(listen: str, setting: str) -> str:
     except ValueError as exc:
         raise BadInput(f"{setting} {listen}: {exc}") from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # as the parts' listeners bind: a port in TIME_WAIT is free to them
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-            raise BadInput(f"cannot listen on {listen} ({setting}): {reason}") from None
-        port = sock.getsockname()[1]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    listeners[name] = sock  # closed by the caller, also when this raises
+    # as the parts' listeners bind: a port in TIME_WAIT is free to them
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise BadInput(f"cannot listen on {listen} ({setting}): {reason}") from None
+    port = sock.getsockname()[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -238,23 +262,32 @@ def _url(listen: str, flags: Sequence[str]) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-async def supervise(commands: dict[str, list[str]]) -> int:
+async def supervise(
+    commands: dict[str, list[str]], listeners: dict[str, socket.socket] | None = None
+) -> int:
     """Start the parts, all at once (each is given the address of the one it reads, and
-    waits for it: starting one after the other would add their start-up times); wait until
-    each listens; then wait for a signal or a part that exits. The exit code."""
+    waits for it: starting one after the other would add their start-up times), each handed
+    its listening socket from ``listeners`` where there is one; wait until each listens; then
+    wait for a signal or a part that exits. The exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    listeners = listeners or {}
     parts: list[Part] = []
     try:
         for name, argv in commands.items():
-            parts.append(await _spawn(name, argv))
+            parts.append(await _spawn(name, argv, listeners.get(name)))
+        failed: list[Part] = []
         for part in parts:
-            await _listening(part, stop)
+            # once one failed, the others get a short while to fail too: each says why
+            await _listening(part, stop, SETTLE_SECONDS if failed else START_TIMEOUT_SECONDS)
             if stop.is_set():
                 return await _stop_all(parts)
-            if part.url is None:
+            if part.url is None and (not failed or part.process.returncode is not None):
+                failed.append(part)
+        if failed:
+            for part in failed:
                 await part.flushed()
                 code = part.process.returncode
                 how = (
@@ -266,8 +299,8 @@ async def supervise(commands: dict[str, list[str]]) -> int:
                     f"gpubalance run: the {part.name} {how}; stopping the others",
                     file=sys.stderr,
                 )
-                await _stop_all(parts)
-                return 2 if code == 2 else 1
+            await _stop_all(parts)
+            return 2 if any(p.process.returncode == 2 for p in failed) else 1
         _say(
             ", ".join(f"{p.name} {p.url} (pid {p.process.pid})" for p in parts)
             + ("; the controller acts" if "--act" in commands["controller"] else "; dry-run")
@@ -296,33 +329,40 @@ async def supervise(commands: dict[str, list[str]]) -> int:
             loop.remove_signal_handler(signum)
 
 
-async def _spawn(name: str, argv: Sequence[str]) -> Part:
+async def _spawn(name: str, argv: Sequence[str], listener: socket.socket | None) -> Part:
+    from gpubalance.webconfig import INHERITED_LISTENER
+
+    handed = () if listener is None else (listener.fileno(),)
+    env = None if listener is None else {**os.environ, INHERITED_LISTENER: str(handed[0])}
     process = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        pass_fds=handed,
+        env=env,
         # its own process group: a Ctrl-C on the terminal reaches this command alone, which
         # stops the parts in order (so no part's exit is taken for a crash)
         process_group=0,
     )
+    if listener is not None:
+        listener.close()  # the part holds it now
     _say(f"starting the {name} (pid {process.pid})")
     part = Part(name, process)
     part.log = asyncio.ensure_future(_forward(part))
     return part
 
 
-async def _listening(part: Part, stop: asyncio.Event) -> None:
-    """Wait until a part says where it listens, exits, or the command is stopped."""
+async def _listening(part: Part, stop: asyncio.Event, timeout: float) -> None:
+    """Wait until a part says where it listens, exits, or the command is stopped, for
+    ``timeout`` seconds at most."""
     waits = {
         asyncio.ensure_future(part.listening.wait()),
         asyncio.ensure_future(part.process.wait()),
         asyncio.ensure_future(stop.wait()),
     }
     try:
-        await asyncio.wait(
-            waits, timeout=START_TIMEOUT_SECONDS, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in waits:
             task.cancel()

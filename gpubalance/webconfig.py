@@ -18,8 +18,10 @@ import binascii
 import hmac
 import ipaddress
 import logging
+import os
 import re
 import secrets
+import socket
 import ssl
 import tempfile
 import time
@@ -50,6 +52,37 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be 0..65535, got {port}")
     return host, port
+
+
+# the environment variable by which `gpubalance run` hands a part the socket it bound for it
+INHERITED_LISTENER = "GPUBALANCE_LISTEN_FD"
+
+
+def inherited_listener(port: int) -> socket.socket | None:
+    """The listening socket this process was handed for ``port`` (its file descriptor in
+    GPUBALANCE_LISTEN_FD), None when it was handed none. Read once: the variable is taken out
+    of the environment, so that no process this one starts takes the socket for its own. A
+    descriptor that is not a TCP socket bound to ``port`` is left alone, and logged."""
+    value = os.environ.pop(INHERITED_LISTENER, None)
+    if value is None:
+        return None
+    try:
+        sock = socket.socket(fileno=int(value))
+    except (ValueError, OSError) as exc:
+        log.warning("%s=%s is no socket (%s); binding anew", INHERITED_LISTENER, value, exc)
+        return None
+    bound = sock.getsockname()
+    if sock.type != socket.SOCK_STREAM or not isinstance(bound, tuple) or bound[1] != port:
+        log.warning(
+            "%s=%s is bound to %s, not port %d; binding anew",
+            INHERITED_LISTENER,
+            value,
+            bound,
+            port,
+        )
+        sock.detach()
+        return None
+    return sock
 
 
 def is_loopback(host: str) -> bool:
@@ -647,7 +680,11 @@ class WebSecurity:
     ) -> None:
         loop = asyncio.get_running_loop()
         self._factory = factory
-        self._servers = [await loop.create_server(factory, host, port, ssl=self._context)]
+        if (sock := inherited_listener(port)) is not None:
+            server = await loop.create_server(factory, sock=sock, ssl=self._context)
+        else:
+            server = await loop.create_server(factory, host, port, ssl=self._context)
+        self._servers = [server]
 
     def urls(self) -> list[str]:
         scheme = "https" if self._context else "http"

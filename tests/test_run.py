@@ -75,6 +75,41 @@ def test_a_taken_port_exits_2_naming_the_address_and_its_flag(capsys, tmp_path: 
     )
 
 
+@pytest.mark.live
+def test_a_part_handed_its_listening_socket_serves_on_it(tmp_path: Path) -> None:
+    """`gpubalance run` binds each part's port and hands the socket down, so that no other
+    process can take a port it chose (port 0 made a free one) before the part serves. Here the
+    test holds the port too: a part that bound it anew would fail with "address in use"."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        part = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "gpubalance", "analyzer"),
+                *("--source", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            pass_fds=(sock.fileno(),),
+            env={**os.environ, "GPUBALANCE_LISTEN_FD": str(sock.fileno())},
+            start_new_session=True,
+        )
+        try:
+            _eventually(
+                lambda: (
+                    part.poll() is not None or "source_up" in _health(f"http://127.0.0.1:{port}")
+                ),
+                "the analyzer never answered on the socket it was handed",
+            )
+            assert part.poll() is None, part.communicate()[1]
+        finally:
+            part.terminate()
+            _, err = part.communicate(timeout=DEADLINE_SECONDS)
+    assert f"listening on http://127.0.0.1:{port}" in err, err
+
+
 def test_a_bad_config_file_exits_2_with_the_line_and_key(capsys, tmp_path: Path) -> None:
     config = tmp_path / "gpubalance.yaml"
     config.write_text("exporter:\n  interval: fast\n")
@@ -317,3 +352,24 @@ def test_a_part_that_refuses_its_input_at_start_exits_2_and_leaves_nothing_runni
     started = re.findall(r"gpubalance run: starting the (\w+) \(pid (\d+)\)", stack.log)
     assert [name for name, _ in started] == ["exporter", "analyzer", "controller"], stack.log
     assert all(_gone(int(pid)) for _, pid in started), stack.log
+
+
+@pytest.mark.live
+def test_every_part_that_refuses_its_input_at_start_is_named(stack_args, tmp_path: Path) -> None:
+    argv, env = stack_args
+    missing = tmp_path / "missing.skops"
+    stack = RunningStack(
+        [
+            *(*argv, "--haproxy-socket", str(tmp_path / "haproxy.sock")),
+            *("--analyzer-args", f"--model {missing}", "--controller-args", "--interval soon"),
+        ],
+        env,
+        tmp_path,
+    )
+    try:
+        assert stack.finish() == 2, stack.log
+    finally:
+        stack.close()
+    for part in ("analyzer", "controller"):
+        assert f"gpubalance run: the {part} exited at start with status 2" in stack.log, stack.log
+    assert "the exporter exited" not in stack.log, stack.log
