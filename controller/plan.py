@@ -79,6 +79,16 @@ SHARE_TOLERANCE = 0.02
 # while one of them is up (HAProxy's `nbsrv`)
 BATCH_BACKEND = "_batch"
 
+
+def batch_backend(backend: str) -> str:
+    """The batch backend of ``backend``, where it may be split."""
+    return backend + BATCH_BACKEND
+
+
+def split_from(backend: str) -> str | None:
+    """The backend a batch backend splits; None for a backend that is not one."""
+    return backend.removesuffix(BATCH_BACKEND) if backend.endswith(BATCH_BACKEND) else None
+
 # the admin state each server action asks for
 _ADMIN_OF: Mapping[str, AdminState] = {
     "drain": "drain",
@@ -266,12 +276,10 @@ def _readied(wants: list[_Want], taken_out: frozenset[str], observed: Observed) 
 def _split_off(server: ObservedServer, observed: Observed) -> bool:
     """A split's server: of a batch backend (whose rotation only a split changes), or of a
     shared backend while its twin in the batch backend is ready."""
-    backend = server.backend
-    if backend.endswith(BATCH_BACKEND):
-        shared = backend.removesuffix(BATCH_BACKEND)
-        if server_key(shared, server.server) in observed.servers:
-            return True
-    twin = observed.servers.get(server_key(backend + BATCH_BACKEND, server.server))
+    shared = split_from(server.backend)
+    if shared is not None and server_key(shared, server.server) in observed.servers:
+        return True
+    twin = observed.servers.get(server_key(batch_backend(server.backend), server.server))
     return twin is not None and twin.admin == "ready"
 
 
@@ -288,10 +296,10 @@ def _split(
             return refuse("unknown_target", f"split_pools of {rec.target}: {side}: {servers}")
         sides[side] = servers
     backends = {s.backend for side in sides.values() for s in side}
-    shared = sorted(b for b in backends if b + BATCH_BACKEND in backends)
-    if len(shared) != 1 or backends != {shared[0], shared[0] + BATCH_BACKEND}:
+    shared = sorted(b for b in backends if batch_backend(b) in backends)
+    if len(shared) != 1 or backends != {shared[0], batch_backend(shared[0])}:
         name = next(iter(backends)) if len(backends) == 1 else "NAME"
-        split = name + BATCH_BACKEND
+        split = batch_backend(name)
         return refuse(
             "unknown_target",
             f"split_pools of {rec.target}: its workers are servers of "
@@ -303,7 +311,7 @@ def _split(
     batch = {s.server for s in sides["batch_workers"]}
     if batch & {s.server for s in sides["interactive_workers"]}:
         return refuse("bad_parameters", f"split_pools of {rec.target}: a worker on both sides")
-    own = shared[0] + BATCH_BACKEND
+    own = batch_backend(shared[0])
     split_now = {s.server for s in observed.pool(own) if s.admin != "maint"}
     if split_now and split_now != batch:
         return refuse(

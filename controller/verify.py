@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpubalance.controller.model import Change, ChangeKind, Observed
-from gpubalance.controller.plan import BATCH_BACKEND
+from gpubalance.controller.plan import split_from
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class Watch:
             if c.kind == "set_state"
             and c.value == "ready"
             and c.before != "ready"
-            and not c.backend.endswith(BATCH_BACKEND)
+            and split_from(c.backend) is None
         )
 
     def undo(self, observed: Observed) -> list[Change]:
@@ -224,10 +224,8 @@ class Verifier:
         for a pool's batch backend the shared one it was split from, whose interactive
         requests a split is for (the batch backend had no traffic before it); the passes
         observed say whether that one exists."""
-        shared = backend.removesuffix(BATCH_BACKEND)
-        if backend.endswith(BATCH_BACKEND) and shared in self.history:
-            return shared
-        return backend
+        shared = split_from(backend)
+        return shared if shared is not None and shared in self.history else backend
 
     def resume(self, entries: Iterable[Mapping[str, Any]], now: float) -> None:
         """The watches of the audit log's changes not yet verified: its `applied` lines of

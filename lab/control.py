@@ -51,7 +51,7 @@ from gpubalance.controller.loop import Controller, PassReport
 from gpubalance.controller.metrics import Metrics
 from gpubalance.controller.model import Change, Settings
 from gpubalance.controller.mover import Mover
-from gpubalance.controller.plan import BATCH_BACKEND
+from gpubalance.controller.plan import batch_backend
 from gpubalance.controller.supervisor import SupervisorError, WorkerProcess, WorkersConfig
 from gpubalance.diagnosis import AckStatus, Recommendation
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun, WorkerState
@@ -77,7 +77,7 @@ def backend_of(worker: WorkerState) -> str:
 
 
 def batch_backend_of(worker: WorkerState) -> str:
-    return backend_of(worker) + BATCH_BACKEND
+    return batch_backend(backend_of(worker))
 
 
 def haproxy_weight(weight: float) -> int:
@@ -146,7 +146,7 @@ class LabBalancer:
         # each backend's BACKEND row, with the balance algorithm as HAProxy's row names it
         names = [f"be_{pool}" for pool in self.run.pools]
         if self.run.split_pool is not None:
-            names.append(f"be_{self.run.split_pool}{BATCH_BACKEND}")
+            names.append(batch_backend(f"be_{self.run.split_pool}"))
         for backend in sorted(names):
             mine = [s for s in servers if s.backend == backend]
             rows.append(

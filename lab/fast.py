@@ -157,7 +157,7 @@ class FastRun:
         # requests that came through it
         self.split_pool = plan.splittable
         self.batch_states: dict[str, str] = {}
-        self.via_batch: set[int] = set()
+        self.via_batch: set[int] = set()  # of the requests not yet answered
         self.batch_done: dict[str, int] = {}  # per worker, of the requests it answered
         self.records: list[RequestRecord] = []
         # when each request reached its worker, and that worker's batch queue, by id: where it
@@ -450,6 +450,7 @@ class FastRun:
         worker.in_flight -= 1
         worker.requests_done += 1
         if request.id in self.via_batch:
+            self.via_batch.discard(request.id)  # it holds only what workers still hold
             self.batch_done[worker.name] = self.batch_done.get(worker.name, 0) + 1
         worker.request_duration_sum += now - request.arrival_seconds
         worker.prompt_tokens += request.prompt_tokens

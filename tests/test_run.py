@@ -333,43 +333,35 @@ def test_a_part_that_dies_is_named_and_the_others_are_stopped(
 def test_a_part_that_refuses_its_input_at_start_exits_2_and_leaves_nothing_running(
     stack_args, tmp_path: Path
 ) -> None:
-    argv, env = stack_args
     missing = tmp_path / "missing.skops"
-    socket_path = str(tmp_path / "haproxy.sock")
-    stack = RunningStack(
-        [*argv, "--haproxy-socket", socket_path, "--analyzer-args", f"--model {missing}"],
-        env,
-        tmp_path,
-    )
-    try:
-        assert stack.finish() == 2, stack.log
-    finally:
-        stack.close()
-    assert f"gpubalance analyzer: --model {missing}: no such file" in stack.log
-    assert "gpubalance run: the analyzer exited at start with status 2; stopping the others" in (
-        stack.log
-    )
-    started = re.findall(r"gpubalance run: starting the (\w+) \(pid (\d+)\)", stack.log)
-    assert [name for name, _ in started] == ["exporter", "analyzer", "controller"], stack.log
-    assert all(_gone(int(pid)) for _, pid in started), stack.log
+    log = _refused(stack_args, tmp_path, "--analyzer-args", f"--model {missing}")
+    assert f"gpubalance analyzer: --model {missing}: no such file" in log
+    assert "gpubalance run: the analyzer exited at start with status 2; stopping the others" in log
+    started = re.findall(r"gpubalance run: starting the (\w+) \(pid (\d+)\)", log)
+    assert [name for name, _ in started] == ["exporter", "analyzer", "controller"], log
+    assert all(_gone(int(pid)) for _, pid in started), log
 
 
 @pytest.mark.live
 def test_every_part_that_refuses_its_input_at_start_is_named(stack_args, tmp_path: Path) -> None:
-    argv, env = stack_args
     missing = tmp_path / "missing.skops"
-    stack = RunningStack(
-        [
-            *(*argv, "--haproxy-socket", str(tmp_path / "haproxy.sock")),
-            *("--analyzer-args", f"--model {missing}", "--controller-args", "--interval soon"),
-        ],
-        env,
+    log = _refused(
+        stack_args,
         tmp_path,
+        *("--analyzer-args", f"--model {missing}", "--controller-args", "--interval soon"),
     )
+    for part in ("analyzer", "controller"):
+        assert f"gpubalance run: the {part} exited at start with status 2" in log, log
+    assert "the exporter exited" not in log, log
+
+
+def _refused(stack_args: tuple[list[str], dict[str, str]], tmp_path: Path, *flags: str) -> str:
+    """The log of a stack given ``flags`` that some part refuses at start: it exits 2."""
+    argv, env = stack_args
+    socket_path = str(tmp_path / "haproxy.sock")
+    stack = RunningStack([*argv, "--haproxy-socket", socket_path, *flags], env, tmp_path)
     try:
         assert stack.finish() == 2, stack.log
     finally:
         stack.close()
-    for part in ("analyzer", "controller"):
-        assert f"gpubalance run: the {part} exited at start with status 2" in stack.log, stack.log
-    assert "the exporter exited" not in stack.log, stack.log
+    return stack.log

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gpubalance.controller.plan import BATCH_BACKEND
+from gpubalance.controller.plan import batch_backend
 from gpubalance.lab.catalogue import CARDS
 from gpubalance.lab.fakenvml import THROTTLE_REASONS, build_library, write_state
 from gpubalance.lab.figures import (
@@ -267,8 +267,8 @@ class LiveLab:
             # readies the batch side's, and the batch class goes there while one is up
             shared = next(b for b in backends if b.name == f"be_{pool}")
             servers = tuple(replace(s, disabled=True) for s in shared.servers)
-            backends.append(replace(shared, name=f"be_{pool}{BATCH_BACKEND}", servers=servers))
-            split = {BATCH_CLASS: f"be_{pool}{BATCH_BACKEND}"}
+            backends.append(replace(shared, name=batch_backend(shared.name), servers=servers))
+            split = {BATCH_CLASS: batch_backend(shared.name)}
         return haproxy.HaproxyConfig(
             frontends=(
                 haproxy.Frontend(
