@@ -32,7 +32,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -64,7 +63,7 @@ UUID_HEAD = re.compile(r'uuid="GPU-[0-9a-f]{8}')
 STAGES = ("query", "parse", "frames", "features", "verdicts")
 
 sys.path.insert(0, str(BENCH))
-from results import progress, write_section  # noqa: E402
+from results import machine, progress, write_section  # noqa: E402
 
 
 def _scenario(
@@ -403,16 +402,6 @@ def agreement(
         else:
             wrong[f"{planted} -> {verdict.state}"] += 1
     return agree, planted_states, wrong
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def main() -> int:

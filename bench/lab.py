@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import hashlib
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -40,7 +39,7 @@ FILES = ("frames.csv", "truth.csv", "truth_evidence.csv", "requests.csv")
 STAGES = ("generate", "truth", "simulate", "snapshots", "write", "other")
 
 sys.path.insert(0, str(BENCH))
-from results import progress, write_section  # noqa: E402
+from results import machine, progress, write_section  # noqa: E402
 
 SCENARIO: dict[str, Any] = {
     "name": "bench-lab-4x4090",
@@ -152,16 +151,6 @@ def health(out: Path, duration: float) -> dict[str, Any]:
         "rho": statistics.mean(float(e["rho"]) for e in evidence),
         "rho_max": max(float(e["rho"]) for e in evidence),
     }
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def main() -> int:

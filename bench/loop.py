@@ -13,9 +13,6 @@ over the seeds of each figure. Results: bench/RESULTS.md (section "loop") and be
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 sys.path.insert(0, str(BENCH))
-from results import progress, write_section  # noqa: E402
+from results import machine, progress, write_section  # noqa: E402
 
 from gpubalance.lab import scenario  # noqa: E402
 from gpubalance.lab.loop_bench import (  # noqa: E402
@@ -56,16 +53,6 @@ FAMILIES: tuple[tuple[str, str], ...] = (
 # the pool-demand scenarios' static splits, each under leastconn and the oracle: static-best is
 # the best of the leastconn ones, what a controller that moves GPUs between the pools has to beat
 SHIFTS = ("pool-demand-shift", "pool-demand-peaks")
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def median(results: Sequence[LoopResult], figure: Callable[[LoopResult], float | None]) -> float:
@@ -255,13 +242,15 @@ def report(results: dict[str, dict], families: dict[str, str], command: str, too
         "left to fix. Idle-while-queued is the run's truth from the simulator's timeline: "
         "the share of GPU-time in which a GPU runs no batch while a request of its pool waits "
         "in the pool's central queue or behind another GPU's running batch (a request waiting "
-        "for its own idle GPU's batch to fill is batching, not balance), counted while the GPU "
+        "for its own idle GPU's batch to fill is batching, not balance; a GPU idle while its "
+        "host can take no more work for it, every preprocessing thread busy or a request "
+        "waiting for a core or the disk, waits for its host), counted while the GPU "
         "serves the pool: one the controller took out, or is moving between pools, idles for "
-        "nobody. Behind the oracle's "
+        "nobody; after a split, the GPUs kept for the other classes idle for no batch "
+        "request. Behind the oracle's "
         "central queue it is low, not 0: the lab's oracle hands a request to the worker with "
         "the fewest in flight, which may still run a batch while another GPU frees up sooner "
-        "(long outputs), and where the host is short of cores (host-bound) the workers' slots "
-        "fill with requests waiting for a core while their GPUs idle, under every policy.",
+        "(long outputs).",
     ]
     return "\n".join(lines)
 

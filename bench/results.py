@@ -3,6 +3,9 @@ that show on a terminal and stay quiet in pipes and CI."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -42,3 +45,14 @@ def progress(description: str, total: int) -> Iterator[Callable[[], None]]:
     with Progress(transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda: bar.advance(task)
+
+
+def machine() -> str:
+    """The CPU, its count and the Python version: what a benchmark's figures were measured on."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"

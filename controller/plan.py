@@ -89,6 +89,7 @@ def split_from(backend: str) -> str | None:
     """The backend a batch backend splits; None for a backend that is not one."""
     return backend.removesuffix(BATCH_BACKEND) if backend.endswith(BATCH_BACKEND) else None
 
+
 # the admin state each server action asks for
 _ADMIN_OF: Mapping[str, AdminState] = {
     "drain": "drain",

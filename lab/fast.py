@@ -21,6 +21,7 @@ from typing import Literal
 
 import simpy
 
+from gpubalance.controller.plan import batch_backend
 from gpubalance.lab.figures import ClassFigures, Telemetry, WorkerFigures
 from gpubalance.lab.model.memory import Allocation, AllocationFailed, KvRegion
 from gpubalance.lab.model.service import ServiceModel
@@ -157,7 +158,7 @@ class FastRun:
         # requests that came through it
         self.split_pool = plan.splittable
         self.batch_states: dict[str, str] = {}
-        self.via_batch: set[int] = set()  # of the requests not yet answered
+        self.via_batch: set[int] = set()
         self.batch_done: dict[str, int] = {}  # per worker, of the requests it answered
         self.records: list[RequestRecord] = []
         # when each request reached its worker, and that worker's batch queue, by id: where it
@@ -166,12 +167,17 @@ class FastRun:
         self.queued_at: dict[int, float] = {}
         self.samples: list[Sample] = []
         self.frames: list[dict[str, object]] = []
-        # when each GPU's server of a pool joined or left its pool's service (in its pool's
-        # server list and not in maint): the pools a GPU could serve at each moment, for the
-        # benchmark's idle-while-queued. A removed or moving GPU serves none.
+        # when each GPU's server of a pool joined or left a route's service (its pool's: in
+        # the pool's server list and not in maint; its pool's batch backend's, named
+        # batch_backend(pool): not in maint there): the routes a GPU could serve at each
+        # moment, for the benchmark's idle-while-queued. A removed or moving GPU serves none.
         self.service_changes: list[tuple[float, int, str, bool]] = [
             (0.0, w.plan.gpu, w.plan.pool, True) for w in self.workers
         ]
+        # per worker, for the benchmark's idle-while-queued: when each request held one of its
+        # preprocessing threads, and when one waited for a host core or the disk
+        self.thread_holds: dict[str, list[tuple[float, float]]] = {}
+        self.host_waits: dict[str, list[tuple[float, float]]] = {}
         self.telemetry = Telemetry(plan, "lab", ORIGIN_SECONDS)
 
     def _worker_state(self, w: PlannedWorker) -> WorkerState:
@@ -318,14 +324,17 @@ class FastRun:
                 with self.cores.request() as core:
                     yield core
                     worker.cpu_wait_seconds += env.now - asked
+                    self._waited(worker, asked)
                     yield env.timeout(cpu)
                     worker.cpu_seconds += cpu
+                self.thread_holds.setdefault(worker.name, []).append((asked, env.now))
         io_mb = worker.plan.io_mb_per_request
         if io_mb > 0:
             asked = env.now
             with self.disk.request() as disk:
                 yield disk
                 worker.disk_wait_seconds += env.now - asked
+                self._waited(worker, asked)
                 seconds = io_mb / self.disk_mb_per_second
                 yield env.timeout(seconds)
                 worker.disk_busy_seconds += seconds
@@ -335,6 +344,10 @@ class FastRun:
             return  # the worker crashed meanwhile; the crash failed this request already
         del worker.preparing[request.id]
         self._enqueue(request, worker)
+
+    def _waited(self, worker: WorkerState, since: float) -> None:
+        if self.env.now > since:
+            self.host_waits.setdefault(worker.name, []).append((since, self.env.now))
 
     def _enqueue(self, request: Request, worker: WorkerState) -> None:
         self.queued_at[request.id] = self.env.now
@@ -450,7 +463,6 @@ class FastRun:
         worker.in_flight -= 1
         worker.requests_done += 1
         if request.id in self.via_batch:
-            self.via_batch.discard(request.id)  # it holds only what workers still hold
             self.batch_done[worker.name] = self.batch_done.get(worker.name, 0) + 1
         worker.request_duration_sum += now - request.arrival_seconds
         worker.prompt_tokens += request.prompt_tokens
@@ -505,13 +517,21 @@ class FastRun:
             raise ValueError(f"GPU {gpu} has {len(found)} workers; moves need one per GPU")
         return found[0]
 
-    def in_service(self, worker: WorkerState) -> bool:
-        """The worker's server is one of its pool's and not in maint (in its pool's backend, or
-        in its batch backend)."""
-        return worker in self.pools[worker.plan.pool] and (
-            self.router.states.get(worker.name) != "maint"
-            or self.batch_states.get(worker.name, "maint") != "maint"
-        )
+    def routes(self, worker: WorkerState) -> frozenset[str]:
+        """Whose requests the worker's server may be sent: its pool's (one of the pool's
+        servers, not in maint), and those of its pool's batch backend, named
+        ``batch_backend(pool)`` (not in maint there). None while out of its pool."""
+        pool = worker.plan.pool
+        if worker not in self.pools[pool]:
+            return frozenset()
+        shared = self.router.states.get(worker.name) != "maint"
+        split = self.batch_states.get(worker.name, "maint") != "maint"
+        return frozenset([pool] * shared + [batch_backend(pool)] * split)
+
+    def route_of(self, request_id: int, service_class: str) -> str:
+        """The route a request came by: its class's pool, or that pool's batch backend."""
+        pool = self.plan.pool_of(service_class)
+        return batch_backend(pool) if request_id in self.via_batch else pool
 
     def takes_batch(self, name: str) -> bool:
         """Whether the batch backend sends the worker new requests: ready there, weighted."""
@@ -522,7 +542,7 @@ class FastRun:
         worker = self.by_name[name]
         if worker.plan.pool != self.split_pool:
             raise ValueError(f"worker {name} is not of the pool with a batch backend")
-        was = self.in_service(worker)
+        was = self.routes(worker)
         self.batch_states[name] = state
         self._note_service(worker, was)
 
@@ -531,14 +551,15 @@ class FastRun:
         held = [*worker.preparing, *(r.id for r, _ in worker.queue), *worker.current]
         return sum(1 for i in held if i in self.via_batch)
 
-    def _note_service(self, worker: WorkerState, was: bool) -> None:
-        if (now := self.in_service(worker)) != was:
-            self.service_changes.append((self.env.now, worker.plan.gpu, worker.plan.pool, now))
+    def _note_service(self, worker: WorkerState, was: frozenset[str]) -> None:
+        now = self.routes(worker)
+        for route in sorted(now ^ was):
+            self.service_changes.append((self.env.now, worker.plan.gpu, route, route in now))
 
     def set_server_state(self, name: str, state: str | None) -> None:
         """The server's admin state: "drain" or "maint"; None: ready."""
         worker = self.by_name[name]
-        was = self.in_service(worker)
+        was = self.routes(worker)
         if state is None:
             self.router.states.pop(name, None)
         else:
@@ -546,7 +567,7 @@ class FastRun:
         self._note_service(worker, was)
 
     def service_intervals(self) -> dict[int, dict[str, list[tuple[float, float]]]]:
-        """Each GPU's stretches of [0, duration] in service, per pool."""
+        """Each GPU's stretches of [0, duration] in service, per route (:meth:`routes`)."""
         out: dict[int, dict[str, list[tuple[float, float]]]] = {}
         since: dict[tuple[int, str], float] = {}
         for at, gpu, pool, serving in sorted(self.service_changes, key=lambda c: c[0]):
@@ -563,7 +584,7 @@ class FastRun:
     def remove_server(self, name: str) -> None:
         """The worker's server leaves its pool: the router sends it nothing more."""
         worker = self.by_name[name]
-        was = self.in_service(worker)
+        was = self.routes(worker)
         pool = self.pools[worker.plan.pool]
         if worker in pool:
             pool.remove(worker)
@@ -572,7 +593,7 @@ class FastRun:
     def add_server(self, name: str) -> None:
         """The worker's server joins its pool (the router's admin state and weight apply)."""
         worker = self.by_name[name]
-        was = self.in_service(worker)
+        was = self.routes(worker)
         pool = self.pools[worker.plan.pool]
         if worker not in pool:
             pool.append(worker)

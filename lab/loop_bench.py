@@ -29,9 +29,14 @@ batch while a request it could serve (one of its pool's) waits, either in the po
 queue or in another GPU's batch queue behind the batch that GPU runs. A GPU is in a pool's
 service while its server is one of the pool's and not in maint: one the controller took out
 (a removal, a move between taking it out and readying it in the other pool) idles for
-nobody, and its time out is no GPU-time of the pools; while it drains it still counts. A
+nobody, and its time out is no GPU-time of the pools; while it drains it still counts. After
+a split, the batch class comes by its own route (the pool's batch backend): only the GPUs
+ready there serve it, and a GPU kept for the other classes idles for no batch request. A
 request waiting for its own idle GPU's batch to fill, or for a host core before it reaches a
-batch queue, is batching or the host, not balance, and does not count. One central queue
+batch queue, is batching or the host, not balance, and does not count; nor does a GPU's idle
+time while its host could take no more work for it (every preprocessing thread of its worker
+busy, or a request waiting for a core or the disk): a balancer sending it more would add to
+the host's queue, not to the GPU's work. One central queue
 keeps it near 0 (only a dispatch that hands a worker requests it cannot start at once leaves
 some).
 """
@@ -291,7 +296,7 @@ def _figures(
         requests=len(result.records),
         failed=sum(1 for r in result.records if r.outcome != "ok"),
         latency=latency,
-        idle_while_queued_ratio=run_idle_while_queued(plan, run, result.records),
+        idle_while_queued_ratio=run_idle_while_queued(run, result.records),
         utilization_spread_ratio=max(means) - min(means) if means else None,
     )
 
@@ -302,7 +307,7 @@ class Wait:
 
     start_seconds: float
     end_seconds: float
-    pool: str
+    pool: str  # the route it came by: its pool, or after a split its pool's batch backend
     gpu: int | None  # the GPU whose batch queue it waits in; None: the pool's central queue
 
 
@@ -314,12 +319,16 @@ def idle_while_queued(
     waits: Sequence[Wait],
     service: Mapping[int, Mapping[str, Sequence[Interval]]],
     duration_seconds: float,
+    host_full: Mapping[int, Sequence[Interval]] | None = None,
 ) -> float | None:
     """The share of the GPUs' time in service over [0, duration] in which a GPU ran no batch
     while a request of a pool it served then waited for a GPU: in the pool's queue, or at
     another GPU while that GPU ran a batch (``busy``: each GPU's batches as (start, end);
     ``service``: each GPU's stretches in service, per pool: a GPU taken out of its pool, or
-    loading another pool's model, serves none and idles for nobody). None without GPU time."""
+    loading another pool's model, serves none and idles for nobody). A GPU idle while its
+    host could take no more work (``host_full``: every preprocessing thread of its worker
+    busy, or a request waiting for a core or the disk) waits for its host, not for work a
+    balancer could send it: not counted. None without GPU time."""
     served = {
         gpu: {pool: _merged(stretches, duration_seconds) for pool, stretches in pools.items()}
         for gpu, pools in service.items()
@@ -351,7 +360,8 @@ def idle_while_queued(
             ],
             duration_seconds,
         )
-        idle += _length(waiting) - _length(_intersect(waiting, ran[gpu]))
+        occupied = _merged([*ran[gpu], *(host_full or {}).get(gpu, ())], duration_seconds)
+        idle += _length(waiting) - _length(_intersect(waiting, occupied))
     return idle / total
 
 
@@ -387,14 +397,14 @@ def _length(intervals: Sequence[Interval]) -> float:
     return sum(end - start for start, end in intervals)
 
 
-def run_idle_while_queued(
-    plan: Plan, run: FastRun, records: Sequence[RequestRecord]
-) -> float | None:
+def run_idle_while_queued(run: FastRun, records: Sequence[RequestRecord]) -> float | None:
     """:func:`idle_while_queued` of a finished fast-speed run, from its requests' timeline."""
     batches: dict[tuple[int, float], float] = {}  # a batch, (gpu, start): its longest request
     waits: list[Wait] = []
     for r in records:
-        pool = plan.pool_of(r.service_class)
+        # after a split the batch class waits in its own route: no GPU kept for the other
+        # classes idles for it
+        pool = run.route_of(r.id, r.service_class)
         if r.outcome == "ok" and r.gpu is not None and r.start_seconds is not None:
             key = (r.gpu, r.start_seconds)
             batches[key] = max(batches.get(key, r.start_seconds), r.end_seconds or 0.0)
@@ -414,7 +424,41 @@ def run_idle_while_queued(
     busy: dict[int, list[Interval]] = {}
     for (gpu, start), end in batches.items():
         busy.setdefault(gpu, []).append((start, end))
-    return idle_while_queued(busy, waits, run.service_intervals(), run.duration)
+    return idle_while_queued(busy, waits, run.service_intervals(), run.duration, host_full(run))
+
+
+def host_full(run: FastRun) -> dict[int, list[Interval]]:
+    """Per GPU, when its host could take no more work for it: for each of its workers, every
+    preprocessing thread busy or a request waiting for a host core or the disk."""
+    out: dict[int, list[Interval]] = {}
+    for gpu in sorted({w.plan.gpu for w in run.workers}):
+        full: list[Interval] | None = None
+        for w in (w for w in run.workers if w.plan.gpu == gpu):
+            mine = _merged(
+                [
+                    *_all_held(run.thread_holds.get(w.name, []), w.plan.preprocess.threads),
+                    *run.host_waits.get(w.name, []),
+                ],
+                run.duration,
+            )
+            full = mine if full is None else _intersect(full, mine)
+        out[gpu] = full or []
+    return out
+
+
+def _all_held(holds: Sequence[Interval], capacity: int) -> list[Interval]:
+    """When at least ``capacity`` of ``holds`` overlap."""
+    # a hold that ends when another starts frees its thread first
+    events = sorted([(start, 1) for start, _ in holds] + [(end, -1) for _, end in holds])
+    out: list[Interval] = []
+    held, since = 0, 0.0
+    for at, step in events:
+        if held >= capacity and held + step < capacity:
+            out.append((since, at))
+        elif held < capacity <= held + step:
+            since = at
+        held += step
+    return out
 
 
 def _latency(values: list[float]) -> Latency:

@@ -26,6 +26,7 @@ from gpubalance.lab.loop_bench import (
     Wait,
     bench_plan,
     bench_settings,
+    host_full,
     idle_while_queued,
     most_actions_per_freeze,
     run_policy,
@@ -286,6 +287,28 @@ def test_a_gpu_out_of_its_pool_idles_for_nobody() -> None:
     assert idle_while_queued(busy, waits, {0: {"p": []}}, 10.0) is None
 
 
+def test_a_gpu_whose_host_is_full_idles_for_its_host_not_for_work() -> None:
+    busy = {0: [(0.0, 4.0)], 1: [(0.0, 2.0)]}
+    waits = [Wait(1.0, 4.0, "p", 0)]  # GPU 1 idles for it from 2 to 4 s ...
+    pools = {0: {"p": [(0.0, 10.0)]}, 1: {"p": [(0.0, 10.0)]}}
+    assert idle_while_queued(busy, waits, pools, 10.0) == pytest.approx(2 / 20)
+    # ... but from 2 to 3.5 s its host could take no more: it waited for its host
+    full = {1: [(2.0, 3.5)]}
+    assert idle_while_queued(busy, waits, pools, 10.0, full) == pytest.approx(0.5 / 20)
+
+
+def test_a_worker_feeding_its_gpu_on_one_thread_fills_its_host() -> None:
+    """host-bound: w2 preprocesses on one thread, at twice the CPU cost from 120 s; the
+    others have four threads each and keep up."""
+    plan = bench_plan(scenario.load("host-bound"), "round_robin")
+    run = FastRun(plan, traffic.generate(plan.scenario.traffic, 240.0, 7), 7, 240.0)
+    run.run()
+    full = host_full(run)
+    share = {g: sum(max(0.0, b - max(a, 120.0)) for a, b in full[g]) / 120.0 for g in full}
+    assert share[2] > 0.9, share
+    assert max(share[g] for g in (0, 1, 3)) < 0.2, share
+
+
 def test_the_run_knows_when_each_gpu_served_its_pool(tmp_path: Path) -> None:
     run = _started(tmp_path / "two.yaml")
     actuator = LabActuator(run)
@@ -302,6 +325,29 @@ def test_the_run_knows_when_each_gpu_served_its_pool(tmp_path: Path) -> None:
         0: {"default": [(0.0, 60.0)]},
         1: {"default": [(0.0, 20.0), (30.0, 40.0)]},
     }
+
+
+def test_after_a_split_the_batch_side_serves_the_batch_route_alone() -> None:
+    """A split makes two routes of one pool: the batch class's, which the batch backend's
+    ready servers take, and the others'. A GPU kept for chat idles for no summary."""
+    plan = bench_plan(scenario.load("mixed-interactive-batch"), "leastconn")
+    run = FastRun(plan, traffic.generate(plan.scenario.traffic, 60.0, 1), 1, 60.0)
+    run.start()
+    actuator = LabActuator(run)
+    run.advance(10.0)
+    asyncio.run(actuator.set_state("be_default_batch", "w3", "ready"))
+    run.advance(20.0)
+    asyncio.run(actuator.set_state("be_default", "w3", "maint"))
+    run.finish()
+    service = run.service_intervals()
+    assert service[3] == {"default": [(0.0, 20.0)], "default_batch": [(10.0, 60.0)]}
+    assert service[0] == {"default": [(0.0, 60.0)]}
+    routes = {
+        (r.service_class, run.route_of(r.id, r.service_class))
+        for r in run.records
+        if r.arrival_seconds >= 10.5
+    }
+    assert routes == {("interactive", "default"), ("batch", "default_batch")}
 
 
 def test_behind_one_central_queue_no_gpu_idles_while_work_waits() -> None:
