@@ -12,6 +12,7 @@ them), so persistence, hysteresis and the causes' rules meet every case.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import random
 from collections.abc import Sequence
@@ -111,7 +112,14 @@ def _judge_both(frames: list[GpuFrame], classifier: object, **options: object) -
     table = FeatureBuilder().transform(frames)
     fitted = classifier.fit(table)  # type: ignore[attr-defined]
     new = Verdicts(fitted, **options).diagnose(table)  # type: ignore[arg-type]
-    _assert_same(new, frozen("verdict_reference").Verdicts(fitted, **options).diagnose(table))
+    # the reference at the same settings: Verdicts' defaults may have moved since it froze
+    settings = {
+        name: p.default
+        for name, p in inspect.signature(Verdicts).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    } | options
+    reference = frozen("verdict_reference").Verdicts(fitted, **settings)
+    _assert_same(new, reference.diagnose(table))
     return new
 
 
