@@ -455,12 +455,13 @@ def late_labels(keys: Sequence[tuple[str, int, int]], truth: Sequence[str]) -> t
     )
 
 
-def verdict_labels(classifier: Classifier, table: FeatureTable) -> tuple[str, ...]:
-    """The verdict ("state/cause") of every row of ``table``, in its row order.
+def verdict_labels(classifier: Classifier, table: FeatureTable, **settings: Any) -> tuple[str, ...]:
+    """The verdict ("state/cause") of every row of ``table``, in its row order, through the
+    verdict step at its defaults or at ``settings`` (its keyword arguments).
 
     The table must hold one run (one timeline per GPU): persistence follows each GPU's windows.
     """
-    diagnosis = Verdicts(classifier).diagnose(table)
+    diagnosis = Verdicts(classifier, **settings).diagnose(table)
     by_key = {(v.host, v.gpu, v.t_start): f"{v.state}/{v.cause}" for v in diagnosis.verdicts}
     return tuple(by_key[(f.host, f.gpu, f.t_start)] for f in table.frames)
 

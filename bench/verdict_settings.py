@@ -63,11 +63,17 @@ def _settings() -> list[tuple[int, float, float]]:
     return [s for s in itertools.product(PERSISTENCE, ENTER, LEAVE) if s[2] <= s[1]]
 
 
-def _labels(answered: _Answered, table: FeatureTable, setting: tuple[int, float, float]):  # type: ignore[no-untyped-def]
+def _labels(
+    answered: _Answered, table: FeatureTable, setting: tuple[int, float, float]
+) -> tuple[str, ...]:
     persistence, enter, leave = setting
-    verdicts = Verdicts(answered, persistence, enter, leave).diagnose(table).verdicts
-    by_key = {(v.host, v.gpu, v.t_start): f"{v.state}/{v.cause}" for v in verdicts}
-    return tuple(by_key[(f.host, f.gpu, f.t_start)] for f in table.frames)
+    return evaluate.verdict_labels(
+        answered,
+        table,
+        persistence_windows=persistence,
+        enter_confidence=enter,
+        leave_confidence=leave,
+    )
 
 
 def judge_all(
