@@ -49,7 +49,13 @@ from gpubalance.lab.live.loadgen import send_all
 from gpubalance.lab.live.locks import FileLock, FileSemaphore
 from gpubalance.lab.live.ports import PortTakenError, free_port
 from gpubalance.lab.live.procfs import write_procfs
-from gpubalance.lab.live.worker import PORT_TAKEN_EXIT, Shared, WorkerConfig, config_json
+from gpubalance.lab.live.worker import (
+    PORT_TAKEN_EXIT,
+    WORKER_PID_HEADER,
+    Shared,
+    WorkerConfig,
+    config_json,
+)
 from gpubalance.lab.live.worker import main as worker_main
 from gpubalance.lab.routing import sticky_target
 from gpubalance.lab.scenario import BATCH_CLASS, Event, Plan, PlannedWorker
@@ -191,9 +197,11 @@ class LiveLab:
             url = f"http://127.0.0.1:{self.configs[name].port}/healthz"
             while True:
                 # a port held by something else may take the connection and never answer
+                # ... or answer for another process: another lab's worker that took the port
+                mine = str(self.processes[name].pid)
                 with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
                     async with session.get(url, timeout=READY_PROBE_TIMEOUT) as resp:
-                        if resp.status == 200:
+                        if resp.status == 200 and resp.headers.get(WORKER_PID_HEADER) == mine:
                             break
                 if not self.processes[name].is_alive():
                     code = self.processes[name].exitcode

@@ -271,7 +271,10 @@ class Worker:
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(
-            text="ok\n" if self.up else f"{self.down_reason}\n", status=200 if self.up else 503
+            text="ok\n" if self.up else f"{self.down_reason}\n",
+            status=200 if self.up else 503,
+            # whose answer it is: a port another lab's worker took answers 200 too
+            headers={WORKER_PID_HEADER: str(os.getpid())},
         )
 
     async def control(self, request: web.Request) -> web.Response:
@@ -410,6 +413,8 @@ async def _serve(config: WorkerConfig, shared: Shared) -> None:
         worker.otlp.shutdown()
 
 
+# the header of /healthz that names the worker process answering
+WORKER_PID_HEADER = "X-Lab-Worker-Pid"
 # the exit code of a worker whose port another process took before it could bind it (the
 # lab picks a free port, then the worker starts and binds it): the lab picks another
 PORT_TAKEN_EXIT = 98

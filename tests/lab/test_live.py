@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.server
 import json
 import shutil
 import socket
 import statistics
+import threading
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -195,11 +197,27 @@ def test_serving_signals_at_the_exporter_agree_with_the_lab(fakenvml_dir: Path) 
         assert metrics.has("gpubalance_queue_depth", gpu=str(gpu), source=served["source"])
 
 
+class _Anyone(http.server.BaseHTTPRequestHandler):
+    """Another lab's worker on a port this lab chose: 200 to every request."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "3")
+        self.end_headers()
+        self.wfile.write(b"ok\n")
+
+    do_POST = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def _taken_port_run(
-    fakenvml_dir: Path, take: Callable[[LiveLab, int], None]
+    fakenvml_dir: Path, take: Callable[[LiveLab, int], None], answering: bool = False
 ) -> tuple[LiveLab, list[Any], list[Any], int]:
     """A 4-s live run after ``take(lab, port)`` gives one of the lab's chosen ports to a port a
-    listener holds (another process took it between the lab's choice and the bind); the lab,
+    listener holds (another process took it between the lab's choice and the bind; with
+    ``answering``, a server that answers 200 to all, as another lab's worker would); the lab,
     the requests, the records and the taken port."""
     data = scenario(duration_seconds=4)
     the_plan = plan(Scenario.model_validate(data))
@@ -208,25 +226,41 @@ def _taken_port_run(
         the_plan, requests, 4.0, start_exporter=True, build_dir=fakenvml_dir, keep_files=True
     )
     try:
-        with socket.socket() as holder:
-            holder.bind(("127.0.0.1", 0))
-            holder.listen()
-            taken = holder.getsockname()[1]
-            take(lab, taken)
-            records, _ = asyncio.run(lab.run())
+        if answering:
+            with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Anyone) as other:
+                threading.Thread(target=other.serve_forever, daemon=True).start()
+                taken = other.server_address[1]
+                take(lab, taken)
+                try:
+                    records, _ = asyncio.run(lab.run())
+                finally:
+                    other.shutdown()
+        else:
+            with socket.socket() as holder:
+                holder.bind(("127.0.0.1", 0))
+                holder.listen()
+                taken = holder.getsockname()[1]
+                take(lab, taken)
+                records, _ = asyncio.run(lab.run())
     except BaseException:
         shutil.rmtree(lab.run_dir, ignore_errors=True)
         raise
     return lab, requests, records, taken
 
 
-def test_a_worker_whose_port_is_taken_starts_on_another(fakenvml_dir: Path) -> None:
-    # the lab picks each worker's port, then the worker binds it: on a busy host an outgoing
-    # connection can take the port in between (seen once in a CI run)
-    def take(lab: LiveLab, port: int) -> None:
-        lab.configs["w1"] = dataclasses.replace(lab.configs["w1"], port=port)
+def _take_w1(lab: LiveLab, port: int) -> None:
+    lab.configs["w1"] = dataclasses.replace(lab.configs["w1"], port=port)
 
-    lab, requests, records, taken = _taken_port_run(fakenvml_dir, take)
+
+# the lab picks each worker's port, then the worker binds it: on a busy host an outgoing
+# connection can take the port in between (seen once in a CI run), or another lab's worker,
+# which answers the start-up probe as this one would (seen once in a fresh-clone make test:
+# the lab sent w0's requests to the other lab)
+@pytest.mark.parametrize("answering", [False, True], ids=["silent", "answering"])
+def test_a_worker_whose_port_is_taken_starts_on_another(
+    fakenvml_dir: Path, answering: bool
+) -> None:
+    lab, requests, records, taken = _taken_port_run(fakenvml_dir, _take_w1, answering)
     try:
         moved = lab.configs["w1"].port
         assert moved != taken
