@@ -178,17 +178,13 @@ def _commands(
         exporter_listen = exporter.listen
     else:
         exporter_listen = DEFAULT_EXPORTER_LISTEN
-    exporter_listen = _address(exporter_listen, "--exporter-listen", listeners, "exporter")
-    analyzer_listen = _address(args.analyzer_listen, "--analyzer-listen", listeners, "analyzer")
-    controller_listen = _address(
-        args.controller_listen, "--controller-listen", listeners, "controller"
+    exporter_listen, listeners["exporter"] = _address(exporter_listen, "--exporter-listen")
+    analyzer_listen, listeners["analyzer"] = _address(args.analyzer_listen, "--analyzer-listen")
+    controller_listen, listeners["controller"] = _address(
+        args.controller_listen, "--controller-listen"
     )
-    if exporter.serving.otlp.enabled:
-        probe: dict[str, socket.socket] = {}  # its port is its own setting: checked only
-        try:
-            _address(exporter.serving.otlp.listen, "exporter.serving.otlp.listen", probe, "otlp")
-        finally:
-            probe["otlp"].close()
+    if exporter.serving.otlp.enabled:  # its port is its own setting: checked only
+        _address(exporter.serving.otlp.listen, "exporter.serving.otlp.listen")[1].close()
     gpubalance = [sys.executable, "-m", "gpubalance"]
     config = ["--config", args.config] if args.config else []
     token = ["--token-file", args.token_file] if args.token_file else []
@@ -225,8 +221,8 @@ def _commands(
     }
 
 
-def _address(listen: str, setting: str, listeners: dict[str, socket.socket], name: str) -> str:
-    """``listen`` with its port, bound and listening in ``listeners[name]``: an address already
+def _address(listen: str, setting: str) -> tuple[str, socket.socket]:
+    """``listen`` with its port, and a socket bound and listening there: an address already
     taken is refused before anything starts, and port 0 becomes a free port now, so that the
     part that reads this one can be given its URL at start (and, handed the socket, the part
     cannot lose that port to another process before it serves)."""
@@ -238,17 +234,17 @@ def _address(listen: str, setting: str, listeners: dict[str, socket.socket], nam
         raise BadInput(f"{setting} {listen}: {exc}") from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    listeners[name] = sock  # closed by the caller, also when this raises
     # as the parts' listeners bind: a port in TIME_WAIT is free to them
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
         sock.listen(128)
     except OSError as exc:
+        sock.close()
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         raise BadInput(f"cannot listen on {listen} ({setting}): {reason}") from None
     port = sock.getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), sock
 
 
 def _url(listen: str, flags: Sequence[str]) -> str:
