@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from gpubalance.lab.live.haproxy import (
     find_haproxy,
 )
 from gpubalance.lab.live.ports import free_port
+from gpubalance.webconfig import INHERITED_LISTENER
 
 TOKEN = "s3cret-token"
 _ADAPTER: TypeAdapter[list[Recommendation]] = TypeAdapter(list[Recommendation])
@@ -199,8 +200,41 @@ def acting_args(analyzer_url: str, socket_path: Path, tmp_path: Path, port: int)
     ]
 
 
-async def start_command(*args: str, env: Mapping[str, str] = {}) -> asyncio.subprocess.Process:
-    """`gpubalance controller ARGS` with ``env`` over this process's environment."""
+@contextlib.contextmanager
+def held_listener() -> Iterator[socket.socket]:
+    """A socket listening on a port of 127.0.0.1, held by the test and handed to each
+    controller it starts there (:func:`handing`), as `gpubalance run` hands each part its own:
+    a port only chosen free can be taken by another process (an outgoing connection, a test
+    beside this one) before the controller binds it, or between a controller's exit and its
+    restart; a held one stays the controller's. Connections made while no controller serves
+    it wait in its backlog."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        yield sock
+
+
+def port_of(listener: socket.socket) -> int:
+    return int(listener.getsockname()[1])
+
+
+def handing(listener: socket.socket | None, env: Mapping[str, str] = {}) -> dict[str, Any]:
+    """The keywords that start a controller process with ``env`` over this process's
+    environment, handed ``listener`` (its descriptor, named in INHERITED_LISTENER)."""
+    if listener is None:
+        return {"env": {**os.environ, "PYTHONUNBUFFERED": "1", **env}}
+    handed = {INHERITED_LISTENER: str(listener.fileno())}
+    return {
+        "env": {**os.environ, "PYTHONUNBUFFERED": "1", **env, **handed},
+        "pass_fds": (listener.fileno(),),
+    }
+
+
+async def start_command(
+    *args: str, env: Mapping[str, str] = {}, listener: socket.socket | None = None
+) -> asyncio.subprocess.Process:
+    """`gpubalance controller ARGS` with ``env`` over this process's environment, serving on
+    ``listener`` where one is given (its ``--listen`` must name the listener's port)."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -208,7 +242,7 @@ async def start_command(*args: str, env: Mapping[str, str] = {}) -> asyncio.subp
         "controller",
         *args,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        **handing(listener, env),
     )
 
 

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,6 +220,16 @@ def scrape(lab: LiveLab) -> Metrics:
     assert lab.exporter is not None
     with urllib.request.urlopen(lab.exporter.url + "/metrics", timeout=10) as resp:
         return Metrics.parse(resp.read().decode())
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port of 127.0.0.1 every connection to is refused while the block runs: bound by the
+    test and not listening, so no other process can take it and answer (a port only chosen
+    free can be)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
 
 
 class EchoServers:

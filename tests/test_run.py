@@ -97,10 +97,11 @@ def test_a_part_handed_its_listening_socket_serves_on_it(tmp_path: Path) -> None
             start_new_session=True,
         )
         try:
+            # the request waits in the socket's backlog until the analyzer, still starting
+            # (seconds on a busy host), accepts it: it may wait as long as the test does
+            url = f"http://127.0.0.1:{port}"
             _eventually(
-                lambda: (
-                    part.poll() is not None or "source_up" in _health(f"http://127.0.0.1:{port}")
-                ),
+                lambda: part.poll() is not None or "source_up" in _health(url, DEADLINE_SECONDS),
                 "the analyzer never answered on the socket it was handed",
             )
             assert part.poll() is None, part.communicate()[1]
@@ -201,8 +202,8 @@ class RunningStack:
         kill_groups(marked_processes(STACK_MARK, self.mark))
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+def _get(url: str, timeout_seconds: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_seconds) as resp:
         return resp.read()
 
 
@@ -214,11 +215,11 @@ def _gpus(exporter: str) -> int | None:
         return None
 
 
-def _health(url: str) -> dict[str, object]:
+def _health(url: str, timeout_seconds: float = 5.0) -> dict[str, object]:
     """The analyzer's /healthz body, also while it answers 503 (starting, before its first
     cycle)."""
     try:
-        return json.loads(_get(url + "/healthz"))
+        return json.loads(_get(url + "/healthz", timeout_seconds))
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read())
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness import refusing_port
 
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.prometheus import (
@@ -43,7 +44,7 @@ from gpubalance.analyzer.sources import (
     SourceError,
     open_source,
 )
-from gpubalance.lab.live.ports import free_port, start_prometheus
+from gpubalance.lab.live.ports import start_prometheus
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prometheus-fleet.json"
 UPDATE = os.environ.get("GPUBALANCE_UPDATE_GOLDEN") == "1"
@@ -638,9 +639,11 @@ def test_prometheus_own_error_message_is_shown(replayed: str) -> None:
 
 
 def test_a_down_prometheus_says_so() -> None:
-    url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(SourceError, match=r"cannot reach Prometheus: .*refused"):
-        PrometheusSource(url).frames(T0, END, WINDOW)
+    with (
+        refusing_port() as port,
+        pytest.raises(SourceError, match=r"cannot reach Prometheus: .*refused"),
+    ):
+        PrometheusSource(f"http://127.0.0.1:{port}").frames(T0, END, WINDOW)
 
 
 def edited(

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
+import socket
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,10 +18,12 @@ import yaml
 from controller_harness import (
     TOKEN,
     Analyzer,
-    free_port,
+    handing,
+    held_listener,
     move_log,
     needs_haproxy,
     pools,
+    port_of,
     workers_config,
 )
 
@@ -39,7 +41,7 @@ def _steps(intent_path: Path) -> list[str]:
         return []  # no move in flight
 
 
-async def _start(args: list[str], log: Path) -> asyncio.subprocess.Process:
+async def _start(args: list[str], log: Path, listener: socket.socket) -> asyncio.subprocess.Process:
     with log.open("ab") as out:
         return await asyncio.create_subprocess_exec(
             sys.executable,
@@ -49,7 +51,7 @@ async def _start(args: list[str], log: Path) -> asyncio.subprocess.Process:
             *args,
             stdout=out,
             stderr=out,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            **handing(listener),
         )
 
 
@@ -59,7 +61,7 @@ async def _kill(process: asyncio.subprocess.Process) -> None:
 
 
 def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) -> None:
-    async def scenario() -> None:
+    async def scenario(listener: socket.socket) -> None:
         workers = workers_config(tmp_path / "state")
         config = tmp_path / "gpubalance.yaml"
         config.write_text(
@@ -69,7 +71,7 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
         token.write_text(TOKEN)
         intent = workers.state_dir / INTENT_FILE
         audit = tmp_path / "audit.jsonl"
-        port = free_port()
+        port = port_of(listener)
         async with (
             aiohttp.ClientSession() as http,
             Analyzer() as analyzer,
@@ -98,7 +100,7 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
                             assert resp.status == 202, await resp.text()
                             return dict(await resp.json())
                     except aiohttp.ClientConnectionError:
-                        await asyncio.sleep(0.05)  # not listening yet
+                        await asyncio.sleep(0.05)  # a kept connection to a killed controller
 
             watcher = asyncio.create_task(watch())
             killed_at: list[list[str]] = []
@@ -112,7 +114,7 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
                         # as HAProxy shows it: the pool left keeps a serving server
                         while await asyncio.to_thread(rig.serving) != before:
                             await asyncio.sleep(0.05)
-                        process = await _start(args, tmp_path / "controller.log")
+                        process = await _start(args, tmp_path / "controller.log", listener)
                         assert (await approve(1, gpu_to))["mode"] == "act"
                         for point in points:
                             while point not in _steps(intent):
@@ -120,7 +122,7 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
                                 await asyncio.sleep(0.005)
                             await _kill(process)
                             killed_at.append(_steps(intent))
-                            process = await _start(args, tmp_path / "controller.log")
+                            process = await _start(args, tmp_path / "controller.log", listener)
                         while intent.exists():
                             await asyncio.sleep(0.02)
                         process.send_signal(signal.SIGTERM)
@@ -148,4 +150,5 @@ def test_a_move_killed_at_several_steps_finishes_each_step_once(tmp_path: Path) 
             assert starts == 3
             assert Counter(e[2] for e in log)["start"] == 2
 
-    asyncio.run(scenario())
+    with held_listener() as listener:
+        asyncio.run(scenario(listener))

@@ -38,6 +38,7 @@ from gpubalance.controller.model import Observed, ObservedServer, Settings
 from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.controller.pools import PoolsConfig, load, render
 from gpubalance.lab.live.haproxy import check, find_haproxy
+from gpubalance.lab.live.ports import START_TRIES, says_port_taken
 
 
 def haproxy(test: Callable[..., None]) -> Callable[..., None]:
@@ -349,57 +350,16 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     try:
         assert workers.stdout is not None
         ports = [int(p) for p in workers.stdout.readline().split()[1:]]
-        binds = {name: free_port() for name in ("be_flood", "be_down", "be_share")}
-
-        def servers(*names_ports: tuple[str, int, int]) -> list[dict[str, Any]]:
-            return [
-                {"name": n, "address": f"127.0.0.1:{port}", "maxconn": c}
-                for n, port, c in names_ports
-            ]
-
-        config = PoolsConfig.model_validate(
-            {
-                "pools": [
-                    pool(
-                        "be_flood",
-                        bind=f"127.0.0.1:{binds['be_flood']}",
-                        servers=servers(("f0", ports[0], 2), ("f1", ports[1], 2)),
-                        admission={"max_queue": 3},
-                    ),
-                    pool(
-                        "be_down",
-                        bind=f"127.0.0.1:{binds['be_down']}",
-                        servers=servers(("d0", ports[2], 2)),
-                        admission={"max_queue": 3, "retry_after_seconds": 7},
-                    ),
-                    pool(
-                        "be_share",
-                        bind=f"127.0.0.1:{binds['be_share']}",
-                        policy="fixed_share",
-                        servers=servers(("s0", ports[3], 4), ("s1", ports[4], 4)),
-                        tenants=[{"name": "a", "share": 0.75}, {"name": "b", "share": 0.25}],
-                        admission={"max_queue": 2},
-                    ),
-                ]
-            }
-        )
         socket_path = run / "haproxy.sock"
-        cfg = run / "haproxy.cfg"
-        cfg.write_text(GLOBAL.format(socket=socket_path) + "\n" + render(config, "test"))
-        check(cfg)
-        haproxy = subprocess.Popen(
-            [find_haproxy(), "-db", "-f", str(cfg)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        for attempt in range(1, START_TRIES + 1):
+            binds = {name: free_port() for name in ("be_flood", "be_down", "be_share")}
+            haproxy = _start_haproxy(run, _pools_config(binds, ports), socket_path)
+            log = (run / "haproxy.log").read_text(errors="replace")
+            if haproxy.poll() is None:
+                break
+            # a port chosen free was taken before HAProxy bound it: choose them anew
+            assert says_port_taken(log) and attempt < START_TRIES, f"HAProxy exited: {log}"
         api = RuntimeApi(socket_path, timeout_seconds=2.0)
-        deadline = time.monotonic() + 10
-        while not _answers(api, haproxy.pid):
-            assert haproxy.poll() is None, "HAProxy exited at start"
-            assert time.monotonic() < deadline, "HAProxy's socket did not answer within 10 s"
-            time.sleep(0.02)
         yield Rig(api, binds, ports, socket_path)
     finally:
         for process in (haproxy, workers):
@@ -410,6 +370,62 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+
+
+def _pools_config(binds: dict[str, int], ports: list[int]) -> PoolsConfig:
+    def servers(*names_ports: tuple[str, int, int]) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "address": f"127.0.0.1:{port}", "maxconn": c} for n, port, c in names_ports
+        ]
+
+    return PoolsConfig.model_validate(
+        {
+            "pools": [
+                pool(
+                    "be_flood",
+                    bind=f"127.0.0.1:{binds['be_flood']}",
+                    servers=servers(("f0", ports[0], 2), ("f1", ports[1], 2)),
+                    admission={"max_queue": 3},
+                ),
+                pool(
+                    "be_down",
+                    bind=f"127.0.0.1:{binds['be_down']}",
+                    servers=servers(("d0", ports[2], 2)),
+                    admission={"max_queue": 3, "retry_after_seconds": 7},
+                ),
+                pool(
+                    "be_share",
+                    bind=f"127.0.0.1:{binds['be_share']}",
+                    policy="fixed_share",
+                    servers=servers(("s0", ports[3], 4), ("s1", ports[4], 4)),
+                    tenants=[{"name": "a", "share": 0.75}, {"name": "b", "share": 0.25}],
+                    admission={"max_queue": 2},
+                ),
+            ]
+        }
+    )
+
+
+def _start_haproxy(run: Path, config: PoolsConfig, socket_path: Path) -> subprocess.Popen[bytes]:
+    """HAProxy on ``config``, once its runtime socket answers or it has exited (its log in
+    run/haproxy.log)."""
+    cfg = run / "haproxy.cfg"
+    cfg.write_text(GLOBAL.format(socket=socket_path) + "\n" + render(config, "test"))
+    check(cfg)
+    with (run / "haproxy.log").open("wb") as log:
+        haproxy = subprocess.Popen(
+            [find_haproxy(), "-db", "-f", str(cfg)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    api = RuntimeApi(socket_path, timeout_seconds=2.0)
+    deadline = time.monotonic() + 10
+    while haproxy.poll() is None and not _answers(api, haproxy.pid):
+        assert time.monotonic() < deadline, "HAProxy's socket did not answer within 10 s"
+        time.sleep(0.02)
+    return haproxy
 
 
 def _answers(api: RuntimeApi, pid: int) -> bool:

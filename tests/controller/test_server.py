@@ -21,10 +21,11 @@ from controller_harness import (
     Analyzer,
     Backends,
     acting_args,
-    free_port,
     haproxy_installed,
     haproxy_over,
+    held_listener,
     make_controller,
+    port_of,
     recommendation,
     start_command,
     stop_command,
@@ -235,16 +236,16 @@ def test_the_controller_imports_no_lab_module() -> None:
 @pytest.mark.haproxy
 @pytest.mark.skipif(not haproxy_installed(), reason="haproxy is not installed")
 def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path: Path) -> None:
-    async def scenario() -> None:
+    async def scenario(listener: socket.socket) -> None:
         async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
             config = backends.config(tmp_path / "run")
             async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
                 analyzer.recommendations = [
                     recommendation("r1", "set_weights", "be", {"weights": {"s1": 60}})
                 ]
-                port = free_port()
+                port = port_of(listener)
                 args = acting_args(analyzer.url, config.socket_path, tmp_path, port)
-                process = await start_command(*args)
+                process = await start_command(*args, listener=listener)
                 try:
                     # the default dwell (2 passes) and step (32): 100 -> 68 -> 60
                     async with asyncio.timeout(30):
@@ -260,7 +261,8 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                 assert process.returncode == 0, err.decode()
                 assert b"acting" in err
 
-    asyncio.run(scenario())
+    with held_listener() as listener:
+        asyncio.run(scenario(listener))
 
 
 @pytest.mark.haproxy

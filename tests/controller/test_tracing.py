@@ -5,6 +5,7 @@ standard variables name an endpoint."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,11 @@ from controller_harness import (
     Analyzer,
     Backends,
     acting_args,
-    free_port,
     haproxy_over,
+    held_listener,
     make_controller,
     needs_haproxy,
+    port_of,
     recommendation,
     start_command,
     stop_command,
@@ -165,7 +167,7 @@ class _Collector:
 
 
 def test_the_controller_command_sends_its_decisions_over_otlp(tmp_path: Path) -> None:
-    async def scenario() -> None:
+    async def scenario(listener: socket.socket) -> None:
         async with (
             Backends(["s1", "s2"]) as backends,
             Analyzer() as analyzer,
@@ -181,8 +183,9 @@ def test_the_controller_command_sends_its_decisions_over_otlp(tmp_path: Path) ->
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",  # the base URL's /v1/traces
                     "OTEL_SERVICE_NAME": "controller-h1",
                 }
-                args = acting_args(analyzer.url, config.socket_path, tmp_path, free_port())
-                process = await start_command(*args, env=env)
+                port = port_of(listener)
+                args = acting_args(analyzer.url, config.socket_path, tmp_path, port)
+                process = await start_command(*args, env=env, listener=listener)
                 try:
                     async with asyncio.timeout(30):
                         while not analyzer.acks_of("r1"):
@@ -207,4 +210,5 @@ def test_the_controller_command_sends_its_decisions_over_otlp(tmp_path: Path) ->
         assert [a["gpubalance.after"].int_value for a in applied] == [68, 60]
         assert f"127.0.0.1:{collector.port}" in err.decode()  # it says where traces go
 
-    asyncio.run(scenario())
+    with held_listener() as listener:
+        asyncio.run(scenario(listener))

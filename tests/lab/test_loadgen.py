@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from harness import haproxy_over
+from harness import haproxy_over, refusing_port
 
 from gpubalance.lab.live.haproxy import (
     APT_INSTALL,
@@ -228,9 +228,10 @@ def test_every_outcome_is_mapped_and_counted() -> None:
 
 def test_connection_refused_is_a_counted_failure() -> None:
     requests = [request(i, at=i * 0.01) for i in range(5)]
-    result = asyncio.run(
-        send_all(requests, f"http://127.0.0.1:{free_port()}", clock_origin=time.monotonic())
-    )
+    with refusing_port() as port:
+        result = asyncio.run(
+            send_all(requests, f"http://127.0.0.1:{port}", clock_origin=time.monotonic())
+        )
     assert_accounted(result, requests)
     assert result.report.failures == {"ClientConnectorError": 5}
 
