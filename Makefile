@@ -19,7 +19,7 @@ TEST_JOBS ?= 2
 # of each are the judged ones)
 # GENTD: the Alibaba GenTD26 folder, for `make eval` to check on it too
 EVAL_COUNT ?= 8
-TRAIN_COUNT ?= 16
+TRAIN_COUNT ?= 32
 GENTD ?=
 
 .PHONY: all venv system-deps fakenvml test test-repeat lint demo bench soak eval model clean

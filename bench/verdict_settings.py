@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--families", type=evaluate.family_list, default="all", metavar="all|F,...")
     # the defaults are `make eval`'s: its verdicts are this table's row at the step's defaults
     parser.add_argument("--count", type=int, default=8, help="judged variants per family")
-    parser.add_argument("--train-count", type=int, default=16, help="training variants per family")
+    parser.add_argument("--train-count", type=int, default=32, help="training variants per family")
     parser.add_argument("--soak-gpu-hours", type=float, default=evaluate.SOAK_GPU_HOURS)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")

@@ -86,6 +86,16 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def settled_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same server for ten windows: its peers' load, a quarter of their capacity, lies near
+    the line between starved and balanced (0.30), where the verdict step takes a few windows
+    of the GPUs' own history to reach its enter confidence."""
+    out = tmp_path_factory.mktemp("skewed-settled")
+    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 300, 1, out, snapshots=True)
+    return out
+
+
+@pytest.fixture(scope="module")
 def csv_dir(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("csv-only")
     shutil.copy(run_dir / "frames.csv", out / "frames.csv")
@@ -220,12 +230,14 @@ def test_the_table_reads_plainly_in_a_pipe(run_dir: Path) -> None:
     assert "classifier: baseline-queue" in result.stdout
 
 
-def test_the_default_is_the_shipped_model(run_dir: Path, diagnose: Callable[..., Result]) -> None:
-    result = diagnose("--from", str(run_dir))
+def test_the_default_is_the_shipped_model(
+    settled_run_dir: Path, diagnose: Callable[..., Result]
+) -> None:
+    result = diagnose("--from", str(settled_run_dir))
     assert result.returncode == 0, result.stderr
     assert "classifier: model;" in result.stdout
     # the router's favourite's peers are starved by the routing, as the run's truth has them
-    last = _rows(diagnose("--from", str(run_dir), "--format", "json"))[-4:]
+    last = _rows(diagnose("--from", str(settled_run_dir), "--format", "json"))[-4:]
     assert [(r["gpu"], r["state"], r["cause"]) for r in last[1:]] == [
         (1, "starved", "routing_skew"),
         (2, "starved", "routing_skew"),

@@ -139,7 +139,10 @@ def start_analyzer(tmp_path: Path) -> Iterator[Callable[..., Analyzer]]:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("skewed")
-    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 150, 1, out, snapshots=True)
+    # ten windows: the peers' load, a quarter of their capacity, lies near the line between
+    # starved and balanced (0.30), where the verdict step takes a few windows of the GPUs' own
+    # history to reach its enter confidence
+    lab_run.run(scenario.load("skewed-heterogeneous"), "fast", 300, 1, out, snapshots=True)
     return out
 
 
