@@ -38,7 +38,7 @@ from gpubalance.controller.model import Observed, ObservedServer, Settings
 from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.controller.pools import PoolsConfig, load, render
 from gpubalance.lab.live.haproxy import check, find_haproxy
-from gpubalance.lab.live.ports import START_TRIES, says_port_taken
+from gpubalance.lab.live.ports import PortTakenError, on_a_free_port, says_port_taken
 
 
 def haproxy(test: Callable[..., None]) -> Callable[..., None]:
@@ -351,14 +351,20 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         assert workers.stdout is not None
         ports = [int(p) for p in workers.stdout.readline().split()[1:]]
         socket_path = run / "haproxy.sock"
-        for attempt in range(1, START_TRIES + 1):
-            binds = {name: free_port() for name in ("be_flood", "be_down", "be_share")}
-            haproxy = _start_haproxy(run, _pools_config(binds, ports), socket_path)
-            log = (run / "haproxy.log").read_text(errors="replace")
-            if haproxy.poll() is None:
-                break
-            # a port chosen free was taken before HAProxy bound it: choose them anew
-            assert says_port_taken(log) and attempt < START_TRIES, f"HAProxy exited: {log}"
+        binds: dict[str, int] = {}
+
+        def start(port: int) -> subprocess.Popen[bytes]:
+            # a port chosen free may be taken before HAProxy binds it: all three anew then
+            binds.update(be_flood=port, be_down=free_port(), be_share=free_port())
+            process = _start_haproxy(run, _pools_config(binds, ports), socket_path)
+            if process.poll() is not None:
+                log = (run / "haproxy.log").read_text(errors="replace")
+                if says_port_taken(log):
+                    raise PortTakenError(f"HAProxy: {log.strip()}")
+                raise AssertionError(f"HAProxy exited: {log}")
+            return process
+
+        haproxy = on_a_free_port(start)
         api = RuntimeApi(socket_path, timeout_seconds=2.0)
         yield Rig(api, binds, ports, socket_path)
     finally:
