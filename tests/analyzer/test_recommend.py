@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from analyzer_harness import WINDOW, healthy_frame
 
 from gpubalance.analyzer.baselines import QueueUtilization
 from gpubalance.analyzer.features import FeatureBuilder, FeatureTable
@@ -18,8 +19,6 @@ from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario
 from gpubalance.lab.fast import ORIGIN_SECONDS
 from gpubalance.telemetry import Sample
-
-WINDOW = 30.0
 
 
 def _lab(name: str, seconds: float, out: Path) -> list[Sample]:
@@ -154,52 +153,6 @@ def test_a_throttled_card_is_weighted_down_and_its_host_looked_at(tmp_path: Path
 # rules on hand-made windows
 
 
-def _frame(gpu: int, window: int, **figures: object) -> GpuFrame:
-    """One RTX 4090 over one window: half busy, batches of 4, no queue, 5 completions/s."""
-    base: dict[str, object] = dict(
-        host="h",
-        gpu=gpu,
-        uuid=f"GPU-{gpu}",
-        card="NVIDIA GeForce RTX 4090",
-        t_start=window * WINDOW,
-        t_end=(window + 1) * WINDOW,
-        sample_count=30,
-        expected_sample_count=30,
-        lost=False,
-        utilization_mean_ratio=0.5,
-        utilization_p95_ratio=0.6,
-        memory_used_bytes=8 * 2**30,
-        memory_total_bytes=24 * 2**30,
-        memory_used_slope_bytes_per_second=0.0,
-        sm_clock_ratio=1.0,
-        throttled_ratio=0.0,
-        throttle_reasons=frozenset(),
-        power_ratio=0.5,
-        temperature_celsius=50.0,
-        serving_queues=1,
-        queue_depth_mean=0.0,
-        queue_depth_max=1.0,
-        queue_depth_slope_per_second=0.0,
-        running_mean=4.0,
-        batch_delay_seconds=0.01,
-        request_duration_seconds=1.0,
-        batch_size_mean=4.0,
-        completions_per_second=5.0,
-        allocation_failures=0.0,
-        service_classes=("interactive",),
-        queue_names=("llama",),
-        feeder_processes=1,
-        feeder_cpu_cores_max=0.2,
-        feeder_read_bytes_per_second=0.0,
-        host_cpu_busy_ratio=0.2,
-        host_cpu_pressure_ratio=0.0,
-        host_io_pressure_ratio=0.0,
-        host_iowait_ratio=0.0,
-    )
-    base.update(figures)
-    return GpuFrame(**base)  # type: ignore[arg-type]
-
-
 class _Labels:
     """A classifier that gives each GPU a fixed label (a learned model could)."""
 
@@ -227,7 +180,7 @@ def _one_hot(
     frames = []
     for w in range(4):
         frames += [
-            _frame(
+            healthy_frame(
                 0,
                 w,
                 utilization_mean_ratio=1.0,
@@ -237,8 +190,8 @@ def _one_hot(
                 queue_depth_slope_per_second=0.5,
                 **gpu_0,
             ),
-            _frame(1, w, completions_per_second=1.0, **gpu_1),
-            _frame(2, w, **({"completions_per_second": 1.0} | (gpu_2 or {}))),
+            healthy_frame(1, w, completions_per_second=1.0, **gpu_1),
+            healthy_frame(2, w, **({"completions_per_second": 1.0} | (gpu_2 or {}))),
         ]
     return frames
 
@@ -300,7 +253,7 @@ def test_a_card_whose_capacity_is_a_guess_is_trusted_with_twice_its_share_at_mos
 def test_no_weights_rest_on_an_unmeasured_capacity() -> None:
     # GPU 0 busy all the time with nothing queued: what it could serve is not measured
     frames = [
-        _frame(
+        healthy_frame(
             g,
             w,
             utilization_mean_ratio=1.0 if g == 0 else 0.1,
@@ -313,7 +266,7 @@ def test_no_weights_rest_on_an_unmeasured_capacity() -> None:
 
 
 def test_a_slow_batcher_is_told_to_stop_waiting() -> None:
-    frames = [_frame(0, w, batch_delay_seconds=1.5) for w in range(3)]
+    frames = [healthy_frame(0, w, batch_delay_seconds=1.5) for w in range(3)]
     found = _by_labels(frames, {0: "starved/batch_delay"})
     assert _actions(found) == [("tune_batching", "gpu:0")]
     assert found[0].parameters["max_queue_delay_seconds"] == 0.0
@@ -321,7 +274,7 @@ def test_a_slow_batcher_is_told_to_stop_waiting() -> None:
 
 def _mixed(share: float | None, classes: dict[int, tuple[str, ...]]) -> tuple[Recommendation, ...]:
     frames = [
-        _frame(
+        healthy_frame(
             g,
             w,
             utilization_mean_ratio=1.0,
@@ -390,7 +343,7 @@ def test_a_pool_whose_gpus_serve_its_classes_apart_is_not_split_again() -> None:
 
 
 def test_bad_settings_are_named() -> None:
-    table = FeatureBuilder().transform([_frame(0, 0)])
+    table = FeatureBuilder().transform([healthy_frame(0, 0)])
     diagnosis = Verdicts(QueueUtilization().fit(table)).diagnose(table)
     with pytest.raises(ValueError, match="persistence_windows"):
         Recommender(persistence_windows=0).recommend(diagnosis, table, 30.0)
@@ -406,7 +359,7 @@ def test_peers_the_routing_starves_reweight_a_gpu_not_yet_judged_overloaded() ->
     frames = []
     for w in range(3):
         frames += [
-            _frame(
+            healthy_frame(
                 0,
                 w,
                 utilization_mean_ratio=1.0,
@@ -415,8 +368,8 @@ def test_peers_the_routing_starves_reweight_a_gpu_not_yet_judged_overloaded() ->
                 completions_per_second=10.0,
                 queue_depth_slope_per_second=0.5,
             ),
-            _frame(1, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
-            _frame(2, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+            healthy_frame(1, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
+            healthy_frame(2, w, utilization_mean_ratio=0.1, completions_per_second=1.0),
         ]
     labels = {0: "balanced/none", 1: "starved/routing_skew", 2: "starved/routing_skew"}
     found = _by_labels(frames, labels)
@@ -448,11 +401,11 @@ def _two_pools(windows: int = 3, quiet_rate: float = 1.0, busy: bool = True) -> 
                 if busy
                 else {}
             )
-            frames.append(_frame(g, w, workers=(f"w{g}",), **figures))
+            frames.append(healthy_frame(g, w, workers=(f"w{g}",), **figures))
         for g in (2, 3):
             rate = quiet_rate * (1.2 if g == 3 else 1.0)
             frames.append(
-                _frame(
+                healthy_frame(
                     g,
                     w,
                     workers=(f"w{g}",),
@@ -602,7 +555,7 @@ def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None
         for w in range(4):
             pool = ("qwen",) if w >= 4 - windows_in_qwen else ("llama",)
             frames.append(
-                _frame(
+                healthy_frame(
                     4,
                     w,
                     workers=("w4",),
