@@ -119,7 +119,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.breaker_weight_share,
         help="a re-weighted server counts for the breaker once its share of the backend's "
-        "weight moved by more than this",
+        "weight fell by more than this, or rose by more than this above its share before and "
+        "an even split",
     )
     limits.add_argument(
         "--undo-worse-ratio",

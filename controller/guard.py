@@ -12,9 +12,11 @@ change would make more than `breaker_share` of the managed servers changed withi
 `breaker_window_seconds`; a person re-arms it, and the changes before the re-arm no longer
 count. A drain, maint, ready or move changes its server; a re-weighting keeps every server
 serving and moves traffic, not capacity, so a server re-weighted within the period counts
-only when its weight went to or from 0, or its share of its backend's weight moved by more
-than `breaker_weight_share` since the period's first change (the weights before are in the
-history); a pass's re-weightings of one backend are judged together, by the shares once all
+only when its weight went to or from 0, or its share of its backend's weight fell by more than
+`breaker_weight_share` since the period's first change (the weights before are in the
+history), or rose by more than that above both its share then and an even split of the
+backend (raising the starved servers of a skew to their even share is the fix, not the blast
+radius); a pass's re-weightings of one backend are judged together, by the shares once all
 of them are made, not half-way through.
 """
 
@@ -182,11 +184,17 @@ def _changed(
         total_now = sum(s.weight for s in pool)
         total_then = sum(max(start.get(s.key, s.weight), 0) for s in pool)
         now_weight = servers[key].weight
-        moved = (
-            total_now > 0
-            and total_then > 0
-            and abs(now_weight / total_now - first / total_then) > weight_share
-        )
+        moved = False
+        if total_now > 0 and total_then > 0:
+            share_now, share_then = now_weight / total_now, first / total_then
+            # traffic piled onto a server beyond what it held and beyond an even split of the
+            # backend, or taken from it: a server brought up to an even share from a skew is
+            # not the blast radius the breaker guards against
+            even = 1 / max(sum(1 for s in pool if s.weight > 0), 1)
+            moved = (
+                share_now - max(share_then, even) > weight_share
+                or share_then - share_now > weight_share
+            )
         if first < 0 or (first == 0) != (now_weight == 0) or moved:
             changed.add(key)
     return changed

@@ -203,7 +203,8 @@ class Settings:
     breaker_share: float = 0.5  # trips when more than this share of servers changed ...
     breaker_window_seconds: float = 300.0  # ... within this period
     # a re-weighting keeps a server serving: it counts as a change for the breaker only once
-    # the server's share of its backend's weight moved by more than this within the period
+    # the server's share of its backend's weight fell by more than this within the period, or
+    # rose by more than this above its share then and an even split of its backend
     breaker_weight_share: float = 0.25
     # after a recommendation's freeze, undo it when its backend's mean time in the system grew
     # more than this many times what it was before it

@@ -424,14 +424,30 @@ def test_the_breaker_counts_a_reweighting_that_moves_much_of_a_pools_traffic() -
     heavy = weight("be/s1", 256, 100)
     allowed, refused, tripped = run_guard([heavy], FOUR, history)
     assert allowed == ["be/s1"] and not tripped
-    history.append(Applied(NOW - 50, "be/s1", "r", "set_weight", 100))
-    after = observed(server("s0"), server("s1", weight=256), server("s2"), server("s3"))
-    # s2 to 0 counts as a drain does, and puts s1 at 56 % of the weight: three of four
-    # changed would exceed half
+    history += [
+        Applied(NOW - 50, "be/s1", "r", "set_weight", 100),
+        Applied(NOW - 50, "be/s3", "r", "set_weight", 100),
+    ]
+    after = observed(server("s0"), server("s1", weight=256), server("s2"), server("s3", weight=30))
+    # s2 to 0 counts as a drain does, and puts s1 at 66 % of the weight, a third above an
+    # even split of the three weighted servers: three of four changed would exceed half
     allowed, refused, tripped = run_guard([weight("be/s2", 0, 100, "z")], after, history)
     assert allowed == [] and tripped and refused == [("breaker_open", None)]
     # a small re-weighting of a server not yet counted does not trip it
     assert run_guard([weight("be/s2", 80, 100, "z")], after, history)[0] == ["be/s2"]
+
+
+def test_raising_a_skews_starved_servers_to_an_even_share_does_not_trip_the_breaker() -> None:
+    # three servers, one weighted 29 to the others' 1 (94 % of the traffic): one pass to
+    # even weights raises two shares from 3 % to 33 % and cuts one from 94 % to 33 %; only
+    # the cut counts, one of three
+    skewed = observed(server("s0", weight=1), server("s1", weight=1), server("s2", weight=29))
+    even = [weight("be/s0", 29, 1), weight("be/s1", 29, 1)]
+    assert run_guard(even, skewed) == (["be/s0", "be/s1"], [], False)
+    # the same rises past an even split count: s0 to 90 % of the pool with s2 cut
+    piled = [weight("be/s0", 256, 1), weight("be/s2", 1, 29)]
+    allowed, _, tripped = run_guard(piled, skewed)
+    assert allowed == [] and tripped
 
 
 def test_agent_weights_are_the_percentage_haproxy_rounds_back_to_the_weight() -> None:
