@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gpubalance.controller.model import Settings
 from gpubalance.diagnosis import STATES
 from gpubalance.lab.demo import Latencies, LoopPanel, p99_between
 
@@ -157,24 +158,26 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             assert all(e["action"] == "set_weight" for e in applied)
             # what the controller did, as HAProxy held it: each change starts from the weight
             # the one before it on that server left (the controller reads HAProxy back, and
-            # nothing else touched it), moves by at most the guard's step of 32, and cites the
-            # recommendation it carries out; the skewed card's share of the pool's weight falls
+            # nothing else touched it), moves by at most the guard's default step, and cites
+            # the recommendation it carries out; the skewed card's share of the pool's weight falls
             # from the scenario's 8/2/2/1. Not held: the order the RTX 3090 ends in against the
             # 4090s. By the lab's batch times it serves 78 % of a 4090's requests in batches of
             # one and 44 % in full batches of 8 for this work, but the live workers' batches
             # take wall time, and on a loaded machine (four tests at a time beside a busy core)
             # they wait for a core, so the capacities the analyzer measures from them read the
-            # three 4090s 9 % apart and the 3090 above every 4090 (79 against 72, once in 30
-            # rounds). The fast speed, where time is simulated, holds each card's fitted ρ:
-            # tests/analyzer/test_capacity.py.
+            # three 4090s 9 % apart (87, 80 and 81 in one run of 30 rounds) and the 3090 above
+            # every 4090 (79 against 72 in another). The fast speed, where time is simulated,
+            # holds each card's fitted ρ: tests/analyzer/test_capacity.py.
             start = {f"be_default/w{i}": w for i, w in enumerate((100, 25, 25, 12))}
+            step = Settings().max_weight_step
             final = dict(start)
             for e in applied:
                 assert e["before"] == final[e["target"]], (e, final)
-                assert 0 < abs(e["after"] - e["before"]) <= 32, e
+                assert 0 < abs(e["after"] - e["before"]) <= step, e
                 assert e["recommendation"], e
                 final[e["target"]] = e["after"]
-            assert final["be_default/w0"] / sum(final.values()) < 100 / 162, final
+            skewed = "be_default/w0"
+            assert final[skewed] / sum(final.values()) < start[skewed] / sum(start.values()), final
 
             # the one-line summary: the p99 the workers report or the idle-while-queued share
             # the analyzer reads off the exporter falls once the controller re-weighted the
