@@ -14,7 +14,7 @@ Deterministic for a seed: no wall clock, no unordered iteration.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -170,7 +170,8 @@ class FastRun:
         # when each GPU's server of a pool joined or left a route's service (its pool's: in
         # the pool's server list and not in maint; its pool's batch backend's, named
         # batch_backend(pool): not in maint there): the routes a GPU could serve at each
-        # moment, for the benchmark's idle-while-queued. A removed or moving GPU serves none.
+        # moment, for the benchmark's idle-while-queued. A removed or moving GPU serves none,
+        # nor one whose worker is down (crashed, its GPU lost).
         self.service_changes: list[tuple[float, int, str, bool]] = [
             (0.0, w.plan.gpu, w.plan.pool, True) for w in self.workers
         ]
@@ -499,7 +500,7 @@ class FastRun:
         worker.current = {}
         worker.running = 0
         worker.kv = KvRegion(worker.plan.kv_cache_bytes)
-        worker.up = False
+        self._set_up(worker, False)
         if worker.wake is not None and not worker.wake.triggered:
             worker.wake.succeed()
 
@@ -520,9 +521,10 @@ class FastRun:
     def routes(self, worker: WorkerState) -> frozenset[str]:
         """Whose requests the worker's server may be sent: its pool's (one of the pool's
         servers, not in maint), and those of its pool's batch backend, named
-        ``batch_backend(pool)`` (not in maint there). None while out of its pool."""
+        ``batch_backend(pool)`` (not in maint there). None while out of its pool, or down
+        (crashed, exited, loading: HAProxy's health check has its server down)."""
         pool = worker.plan.pool
-        if worker not in self.pools[pool]:
+        if worker not in self.pools[pool] or not worker.up:
             return frozenset()
         shared = self.router.states.get(worker.name) != "maint"
         split = self.batch_states.get(worker.name, "maint") != "maint"
@@ -551,6 +553,13 @@ class FastRun:
         held = [*worker.preparing, *(r.id for r, _ in worker.queue), *worker.current]
         return sum(1 for i in held if i in self.via_batch)
 
+    def _set_up(self, worker: WorkerState, up: bool) -> None:
+        """The worker's process came up (serving) or went down (crashed, lost with its GPU,
+        exited, loading): down, HAProxy's health check takes its server out of service."""
+        was = self.routes(worker)
+        worker.up = up
+        self._note_service(worker, was)
+
     def _note_service(self, worker: WorkerState, was: frozenset[str]) -> None:
         now = self.routes(worker)
         for route in sorted(now ^ was):
@@ -567,12 +576,15 @@ class FastRun:
         self._note_service(worker, was)
 
     def service_intervals(self) -> dict[int, dict[str, list[tuple[float, float]]]]:
-        """Each GPU's stretches of [0, duration] in service, per route (:meth:`routes`)."""
+        """Each GPU's stretches of [0, duration] in service, per route (:meth:`routes`): while
+        one of its workers or more serves the route."""
         out: dict[int, dict[str, list[tuple[float, float]]]] = {}
         since: dict[tuple[int, str], float] = {}
+        serving_now: Counter[tuple[int, str]] = Counter()
         for at, gpu, pool, serving in sorted(self.service_changes, key=lambda c: c[0]):
             stretches = out.setdefault(gpu, {}).setdefault(pool, [])
-            if serving:
+            serving_now[gpu, pool] += 1 if serving else -1
+            if serving_now[gpu, pool] > 0:
                 since.setdefault((gpu, pool), at)
             elif (start := since.pop((gpu, pool), None)) is not None and at > start:
                 stretches.append((start, at))
@@ -621,7 +633,7 @@ class FastRun:
 
     def _exited(self, worker: WorkerState) -> None:
         worker.process = "stopped"
-        worker.up = False
+        self._set_up(worker, False)
 
     def start_worker(self, gpu: int, pool: str) -> WorkerState:
         """Start the worker of ``pool`` on ``gpu``, whose own has exited: it loads its model
@@ -649,7 +661,8 @@ class FastRun:
     def _load(self, worker: WorkerState) -> Iterator[simpy.Event]:
         yield self.env.timeout(self.load_seconds(worker.plan))
         if worker.process == "loading" and not worker.gpu.lost:
-            worker.process, worker.up = "running", True
+            worker.process = "running"
+            self._set_up(worker, True)
             self._freed(worker)
 
     # -- scenario events ------------------------------------------------------------------------
@@ -693,7 +706,7 @@ class FastRun:
     def _restart(self, worker: WorkerState, after: float) -> Iterator[simpy.Event]:
         yield self.env.timeout(after)
         if not worker.gpu.lost:
-            worker.up = True
+            self._set_up(worker, True)
             self._freed(worker)  # pooled: the central queue has work for it now
 
     # -- telemetry ------------------------------------------------------------------------------

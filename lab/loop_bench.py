@@ -18,18 +18,22 @@ changing them, are left out):
   between pools has to beat (its `placement` says which split).
 
 Figures: p50 and p99 latency (arrival to answer, answered requests) per traffic class and
-overall; requests failed (rejected, out of KV memory, lost to a crash); idle-while-queued over
-the run (below); utilization spread (the largest minus the smallest GPU's mean utilization);
-the controller's actions by kind, and the most actions any one server took within one freeze
-period.
+overall, and the same over the requests that arrived after the first two analysis windows
+(`settled`: a scenario is skewed from t = 0, and no controller acts before its first verdict;
+the backlog the start left still counts); requests failed (rejected, out of KV memory, lost
+to a crash); idle-while-queued over the run (below); utilization spread (the largest minus
+the smallest GPU's mean utilization); the controller's actions by kind, and the most actions
+any one server took within one freeze period.
 
 **Idle-while-queued** is the run's truth, from the simulator's timeline, not the analyzer's
 estimate from window means: the share of the GPUs' time in service in which a GPU runs no
 batch while a request it could serve (one of its pool's) waits, either in the pool's central
 queue or in another GPU's batch queue behind the batch that GPU runs. A GPU is in a pool's
-service while its server is one of the pool's and not in maint: one the controller took out
-(a removal, a move between taking it out and readying it in the other pool) idles for
-nobody, and its time out is no GPU-time of the pools; while it drains it still counts. After
+service while its server is one of the pool's, not in maint, and its worker is up: one the
+controller took out (a removal, a move between taking it out and readying it in the other
+pool) idles for nobody, nor does one whose worker crashed or whose GPU fell off the bus
+(HAProxy's health check has it down; a restart, not a balancer, brings it back), and that
+time is no GPU-time of the pools; while it drains it still counts. After
 a split, the batch class comes by its own route (the pool's batch backend): only the GPUs
 ready there serve it, and a GPU kept for the other classes idles for no batch request. A
 request waiting for its own idle GPU's batch to fill, or for a host core before it reaches a
@@ -82,6 +86,10 @@ POLICIES: dict[str, str] = {
 STATIC_BEST = "static-best"  # leastconn on the best static split of the GPUs between pools
 ALL = "all"  # the latency row over every class
 REFUSED = frozenset({"rejected", "waiting", "failed"})  # the audit log's refusals
+# the settled latency counts the requests that arrived after this many analysis windows: a
+# scenario's skew is there from t = 0, and the controller acts on the first window's verdict
+# at the earliest (two, where the verdict's persistence asks for two)
+SETTLE_WINDOWS = 2
 
 
 class BenchError(Exception):
@@ -104,6 +112,9 @@ class LoopResult:
     requests: int
     failed: int
     latency: dict[str, Latency]  # per traffic class, and ALL
+    # the same, of the requests that arrived after SETTLE_WINDOWS analysis windows
+    settled: dict[str, Latency]
+    settled_after_seconds: float
     idle_while_queued_ratio: float | None
     utilization_spread_ratio: float | None
     actions: dict[str, int] = field(default_factory=dict)  # applied, by action; and undone
@@ -267,14 +278,19 @@ def _figures(
     from gpubalance.lab.fast import ORIGIN_SECONDS
 
     scenario = plan.scenario
+    settle = SETTLE_WINDOWS * scenario.truth_window_seconds
     answered: dict[str, list[float]] = {}
+    late: dict[str, list[float]] = {}
     for record in result.records:
         if record.outcome == "ok":
             seconds_taken = record.end_seconds - record.arrival_seconds
-            answered.setdefault(record.service_class, []).append(seconds_taken)
-            answered.setdefault(ALL, []).append(seconds_taken)
+            into = [answered, late] if record.arrival_seconds >= settle else [answered]
+            for figures in into:
+                figures.setdefault(record.service_class, []).append(seconds_taken)
+                figures.setdefault(ALL, []).append(seconds_taken)
     classes = sorted({t.service_class for t in scenario.traffic})
     latency = {c: _latency(answered.get(c, [])) for c in [*classes, ALL]}
+    settled = {c: _latency(late.get(c, [])) for c in [*classes, ALL]}
     frames = list(
         frames_from_samples(
             result.samples,
@@ -296,6 +312,8 @@ def _figures(
         requests=len(result.records),
         failed=sum(1 for r in result.records if r.outcome != "ok"),
         latency=latency,
+        settled=settled,
+        settled_after_seconds=settle,
         idle_while_queued_ratio=run_idle_while_queued(run, result.records),
         utilization_spread_ratio=max(means) - min(means) if means else None,
     )
@@ -642,13 +660,17 @@ def format_result(result: LoopResult) -> str:
         f"{result.scenario}, policy {result.policy}, seed {result.seed}, "
         f"{result.duration_seconds:g} s simulated: {result.requests} requests, "
         f"{result.failed} failed",
-        f"{'class':16} {'answered':>9} {'p50':>10} {'p99':>10}",
+        f"{'class':16} {'answered':>9} {'p50':>10} {'p99':>10} {'p99 settled':>12}",
     ]
     for name, figures in result.latency.items():
         lines.append(
             f"{name:16} {figures.requests:>9} {_ms(figures.p50_seconds):>10} "
-            f"{_ms(figures.p99_seconds):>10}"
+            f"{_ms(figures.p99_seconds):>10} {_ms(result.settled[name].p99_seconds):>12}"
         )
+    lines.append(
+        f"(settled: the requests that arrived after {result.settled_after_seconds:g} s, "
+        f"{SETTLE_WINDOWS} analysis windows)"
+    )
     actions = ", ".join(f"{k} {v}" for k, v in result.actions.items()) or "none"
     recommended = ", ".join(f"{k} {v}" for k, v in result.recommended.items()) or "none"
     refused = ", ".join(f"{k} {v}" for k, v in result.refused.items()) or "none"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from harness import run_on_terminal
 
@@ -203,6 +204,28 @@ def test_on_a_skewed_scenario_the_controller_beats_round_robin() -> None:
     assert ctl.failed == rr.failed == 0
 
 
+def test_the_settled_latency_leaves_out_the_requests_of_the_first_two_windows() -> None:
+    """default-target is skewed from t = 0: round robin's backlog at GPU 0 is there all run,
+    the controller's goes once it has re-weighted (its first verdict ends the first window)."""
+    plan = scenario.load("default-target")
+    rr = run_policy(plan, "round_robin", 3, 300.0)
+    ctl = run_policy(plan, "controller", 3, 300.0)
+    assert ctl.settled_after_seconds == rr.settled_after_seconds == 60.0
+    changed = bench_plan(plan, "round_robin")
+    run = FastRun(changed, traffic.generate(changed.scenario.traffic, 300.0, 3), 3, 300.0)
+    run.start()
+    late = [
+        r.end_seconds - r.arrival_seconds
+        for r in run.finish().records
+        if r.outcome == "ok" and r.arrival_seconds >= 60.0
+    ]
+    assert rr.settled["all"].requests == len(late) < rr.latency["all"].requests
+    assert rr.settled["all"].p99_seconds == pytest.approx(float(np.percentile(late, 99)))
+    assert ctl.settled["all"].requests < ctl.latency["all"].requests
+    assert ctl.settled["all"].p99_seconds < ctl.latency["all"].p99_seconds
+    assert ctl.settled["all"].p99_seconds * 3 < rr.settled["all"].p99_seconds
+
+
 def test_on_a_shared_queue_the_controller_splits_the_batch_class_out(tmp_path: Path) -> None:
     """Chat behind summaries in one queue per GPU: the analyzer recommends a split, the
     controller readies the batch side in the pool's batch backend, then takes it out of the
@@ -325,6 +348,35 @@ def test_the_run_knows_when_each_gpu_served_its_pool(tmp_path: Path) -> None:
         0: {"default": [(0.0, 60.0)]},
         1: {"default": [(0.0, 20.0), (30.0, 40.0)]},
     }
+
+
+def test_a_gpu_whose_worker_is_down_is_out_of_service(tmp_path: Path) -> None:
+    """A crashed worker, or one whose GPU fell off the bus, serves nothing until it is back:
+    HAProxy's health check has its server down, and no balancer can send it work, so its
+    idle time is no pool's GPU-time (nor idle-while-queued)."""
+    path = tmp_path / "down.yaml"
+    path.write_text(
+        TWO_CARDS.replace("    - {card: RTX 4090, count: 2}", "    - {card: RTX 4090, count: 3}")
+        + "events:\n"
+        + "  - {at: 15, worker_crash: {worker: w1, restart_after_seconds: 20}}\n"
+        + "  - {at: 40, gpu_lost: {gpu: 2}}\n"
+    )
+    plan = bench_plan(scenario.load(str(path)), "leastconn")
+    run = FastRun(plan, traffic.generate(plan.scenario.traffic, 60.0, 1), 1, 60.0)
+    run.start()
+    result = run.finish()
+    assert run.service_intervals() == {
+        0: {"default": [(0.0, 60.0)]},
+        1: {"default": [(0.0, 15.0), (35.0, 60.0)]},
+        2: {"default": [(0.0, 40.0)]},
+    }
+    # the down stretches are no GPU-time in service: the ratio's denominator is what is left
+    busy = {0: [(0.0, 60.0)], 1: [], 2: []}
+    waits = [Wait(0.0, 60.0, "default", 0)]
+    assert idle_while_queued(busy, waits, run.service_intervals(), 60.0) == pytest.approx(
+        (15.0 + 25.0 + 40.0) / (60.0 + 40.0 + 40.0)
+    )
+    assert any(r.outcome == "failed" for r in result.records)
 
 
 def test_after_a_split_the_batch_side_serves_the_batch_route_alone() -> None:
