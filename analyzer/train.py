@@ -12,6 +12,7 @@ on the hosts the analyzer watches.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from collections import Counter
@@ -48,6 +49,7 @@ class Dataset:
     labels: tuple[str, ...]  # "state/cause"
     groups: tuple[str, ...]  # family
     runs: tuple[str, ...]  # example name
+    rho: tuple[float, ...] = ()  # the truth's ρ per row, where the rows came from a run
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -59,6 +61,7 @@ class Dataset:
             tuple(self.labels[i] for i in index),
             tuple(self.groups[i] for i in index),
             tuple(self.runs[i] for i in index),
+            tuple(self.rho[i] for i in index) if self.rho else (),
         )
 
 
@@ -107,9 +110,9 @@ def truth_of_features(example: Example) -> tuple[FeatureTable, list[Any]]:
     return table, [by_key[(f.t_start, f.gpu)] for f in table.frames]
 
 
-def _featurize(example: Example) -> tuple[FeatureTable, list[str]]:
+def _featurize(example: Example) -> tuple[FeatureTable, list[str], list[float]]:
     table, rows = truth_of_features(example)
-    return table, [_label(r) for r in rows]
+    return table, [_label(r) for r in rows], [math.nan if r is None else r.rho for r in rows]
 
 
 def build_dataset(
@@ -127,7 +130,8 @@ def build_dataset(
     labels: list[str] = []
     groups: list[str] = []
     runs: list[str] = []
-    results: Iterable[tuple[FeatureTable, list[str]]]
+    rho: list[float] = []
+    results: Iterable[tuple[FeatureTable, list[str], list[float]]]
     if workers > 1:
         pool = ProcessPoolExecutor(max_workers=workers)
         results = pool.map(_featurize, examples)
@@ -135,13 +139,14 @@ def build_dataset(
         pool = None
         results = map(_featurize, examples)
     try:
-        for example, (table, row_labels) in zip(examples, results, strict=True):
+        for example, (table, row_labels, row_rho) in zip(examples, results, strict=True):
             keep = np.array([bool(label) for label in row_labels], dtype=bool)
             index = np.flatnonzero(keep)
             tables.append(FeatureTable(tuple(table.frames[i] for i in index), table.values[index]))
             labels += [row_labels[i] for i in index]
             groups += [example.family] * len(index)
             runs += [example.name] * len(index)
+            rho += [row_rho[i] for i in index]
             if progress is not None:
                 progress(1)
     finally:
@@ -149,7 +154,8 @@ def build_dataset(
             pool.shutdown()
     frames = tuple(f for t in tables for f in t.frames)
     values = np.vstack([t.values for t in tables]) if tables else np.zeros((0, len(COLUMNS)))
-    return Dataset(FeatureTable(frames, values), tuple(labels), tuple(groups), tuple(runs))
+    table = FeatureTable(frames, values)
+    return Dataset(table, tuple(labels), tuple(groups), tuple(runs), tuple(rho))
 
 
 def state_of(label: str) -> str:

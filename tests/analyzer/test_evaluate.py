@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from gpubalance.analyzer import evaluate
-from gpubalance.analyzer.evaluate import RunVerdicts
+from gpubalance.analyzer.evaluate import OURS, RunVerdicts
 
 
 def _run(
@@ -201,3 +202,37 @@ def test_the_report_holds_every_figure_beside_the_baselines(tmp_path: Path) -> N
     # written again, the section is replaced, not repeated
     evaluate.write_report(result, report, "gpubalance analyzer evaluate --count 1")
     assert report.read_text().count("## Held-out families") == 1
+
+
+def test_a_windows_distance_is_from_the_nearer_of_the_truths_lines() -> None:
+    assert evaluate.line_distance(0.33) == pytest.approx(0.10)
+    assert evaluate.line_distance(0.27) == pytest.approx(0.10)
+    assert evaluate.line_distance(0.85 * 0.8) == pytest.approx(0.20)
+    assert evaluate.line_distance(0.50) == pytest.approx((0.85 - 0.50) / 0.85)
+
+
+def test_the_scores_by_distance_put_each_window_in_its_band() -> None:
+    # windows 0-1 near the starved line, the verdict wrong on one; 2-3 far from both, right
+    run = dataclasses.replace(_run(list("SBSB"), list("BBSB")), truth_rho=(0.29, 0.31, 0.05, 0.55))
+    bands = {label: (count, f1) for label, count, f1 in evaluate.by_line_distance([run], [OURS])}
+    assert bands["within 10 %"][0] == 2
+    assert bands["within 10 %"][1][OURS] < 1.0
+    assert bands["beyond 25 %"] == (2, {OURS: 1.0})
+    assert bands["10-25 %"] == (0, {OURS: None})
+    # a run that kept no ρ is left out
+    assert (
+        sum(n for _, n, _ in evaluate.by_line_distance([_run(list("SB"), list("SB"))], [OURS])) == 0
+    )
+
+
+def test_a_false_alarm_says_how_near_its_line_the_truth_was() -> None:
+    # a balanced run: an overloaded stretch (windows 2-3) the truth never names, at ρ 0.80
+    # and 0.78; a starved one (window 6) at ρ 0.36
+    run = dataclasses.replace(
+        _run(list("BBBBBBBB"), list("BBOOBBSB"), family="balanced-pool"),
+        truth_rho=(0.5, 0.5, 0.80, 0.78, 0.5, 0.5, 0.36, 0.5),
+    )
+    assert evaluate.false_alarms(run, OURS)[0] == 2
+    assert evaluate.false_alarm_rhos([run], OURS) == pytest.approx(
+        sorted([(0.85 - 0.80) / 0.85, (0.36 - 0.30) / 0.30])
+    )
