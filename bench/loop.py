@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -351,14 +352,18 @@ def generated_report(results: dict[str, dict], meta: dict[str, tuple[str, Plan, 
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict]) -> None:
+def plot(results: dict[str, dict], generated: dict[str, dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    if generated:
+        fig, (ax, gx) = plt.subplots(2, 1, figsize=(11, 9))
+        _plot_generated(gx, generated)
+    else:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(POLICIES)
     for i, policy in enumerate(POLICIES):
         values = [median(results[n].get(policy, []), p99) for n in names]
@@ -372,6 +377,31 @@ def plot(results: dict[str, dict]) -> None:
     fig.tight_layout()
     fig.savefig(BENCH / "loop.png", dpi=100)
     plt.close(fig)
+
+
+def _plot_generated(ax: Any, generated: dict[str, dict]) -> None:
+    """Each variant's p99 over the oracle's, per policy: the oracle's line is 1, the Done-when's
+    bound for the controller 1.25."""
+    names = list(generated)
+    shown = [p for p in POLICIES if p not in (STATIC_BEST, "oracle")]
+    width = 0.8 / len(shown)
+    for i, policy in enumerate(shown):
+        values = [
+            (p99(generated[n][policy][0]) or math.nan)
+            / (p99(generated[n]["oracle"][0]) or math.nan)
+            for n in names
+        ]
+        ax.bar([k + i * width for k in range(len(names))], values, width, label=policy)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.25, color="black", linewidth=0.8, linestyle="--", label="1.25x the oracle")
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))])
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("p99 / the oracle's p99 (log)")
+    ax.set_title(
+        f"Generated variants (seed {GENERATED_SEED}): p99 against the oracle's, one run each"
+    )
+    ax.legend(fontsize=8)
 
 
 def main() -> None:
@@ -418,7 +448,7 @@ def main() -> None:
         "Closed loop: balancing policies at the fast speed",
         text + "\n\n![p99 by policy](loop.png)\n",
     )
-    plot(results)
+    plot(results, generated)
     print(text)
 
 
