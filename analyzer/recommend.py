@@ -6,6 +6,10 @@ a diagnosis, from the verdicts that have held for ``persistence_windows`` window
 and undoes, waits least),
 
 - a lost GPU or a crashed worker: ``drain`` it (its work goes to the others);
+- a GPU drained so whose worker serves again (for ``reweight_windows``, within
+  ``ttl_seconds`` of its last down window, while the drain may still stand): ``add_worker`` it
+  back into rotation; HAProxy's health check would send it requests again, but not through a
+  drain;
 - an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
   proportion to fitted capacity over the GPUs that can take work (those held back by their host,
   memory or a crash keep their share);
@@ -38,7 +42,7 @@ And across the pools of a host:
   batches after a quiet spell serves more as its queue grows, before it needs another GPU. At
   most one per host: a move changes both pools, and the next is judged on what it left.
 
-``add_worker`` has a cost rank but no rule yet: the frames do not say which GPU has room for
+``add_worker`` returns a GPU that was down only: the frames do not say which GPU has room for
 another model.
 
 Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
@@ -169,6 +173,7 @@ class Recommender:
             raise ValueError(f"scale_in_windows must be 1 or more: {self.scale_in_windows}")
         model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
         held = self._held(diagnosis.verdicts)
+        down_until = self._down_until(diagnosis.verdicts)
         fleet: dict[tuple[str, str], FleetVerdict] = {}
         for verdict in diagnosis.fleet:
             fleet[(verdict.host, verdict.pool)] = verdict  # time order: the latest wins
@@ -211,6 +216,7 @@ class Recommender:
                 _busiest(table, host, pool, self.scale_in_windows),
                 classes,
                 table,
+                {g: t for (h, g), t in down_until.items() if h == host},
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -263,6 +269,21 @@ class Recommender:
         if not moves:
             return None
         return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
+
+    def _down_until(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], float]:
+        """Per GPU that was down (lost, or its worker crashed) for ``persistence_windows``
+        windows in a row, long enough to be drained: when its latest such run ended."""
+        by_gpu: dict[tuple[str, int], list[Verdict]] = {}
+        for verdict in verdicts:
+            by_gpu.setdefault((verdict.host, verdict.gpu), []).append(verdict)
+        out: dict[tuple[str, int], float] = {}
+        for key, series in by_gpu.items():
+            run = 0
+            for verdict in sorted(series, key=lambda v: v.t_start):
+                run = run + 1 if _is_down(verdict) else 0
+                if run >= self.persistence_windows:
+                    out[key] = verdict.t_end
+        return out
 
     def _held(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], _Held]:
         """Per GPU, its latest verdict when the last ``persistence_windows`` agree, or the
@@ -342,6 +363,13 @@ def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
     return {p for p in pools if len({frozenset(w.get(p, set())) for w in recent}) > 1}
 
 
+def _is_down(verdict: Verdict) -> bool:
+    """The GPU fell off the bus, or its worker crashed."""
+    return (verdict.state == "unknown" and verdict.unknown_reason == "GPU lost") or (
+        verdict.state == "starved" and verdict.cause == "worker_crash"
+    )
+
+
 def _situation(verdict: Verdict) -> tuple[str, str, str | None]:
     return (verdict.state, verdict.cause, verdict.unknown_reason)
 
@@ -379,8 +407,11 @@ class _Pool:
         busiest_per_second: float | None,
         classes: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
         table: FeatureTable | None = None,
+        down_until: Mapping[int, float] | None = None,
     ) -> None:
         self.r = recommender
+        # per GPU that was down long enough to be drained, when it last was
+        self.down_until = down_until or {}
         self.workers = workers
         # the classes each GPU serves, and the windows a split reads the classes' work from
         # (only a split does: read then, not for every pool)
@@ -419,6 +450,8 @@ class _Pool:
         scale_in = self._scale_in()
         if scale_in is not None:
             out.append(scale_in)
+        # a GPU the pool can do without is not returned to it
+        out += self._returns(set() if scale_in is None else {scale_in.parameters["gpu"]})
         return out
 
     # building blocks
@@ -523,12 +556,7 @@ class _Pool:
 
     def _down(self, among: Mapping[int, _Held] | None = None) -> list[_Held]:
         """The GPUs lost or crashed, of ``among`` (default: the verdicts actions rest on)."""
-        return [
-            h
-            for h in (self.held if among is None else among).values()
-            if (h.verdict.state == "unknown" and h.verdict.unknown_reason == "GPU lost")
-            or (h.verdict.state == "starved" and h.verdict.cause == "worker_crash")
-        ]
+        return [h for h in (self.held if among is None else among).values() if _is_down(h.verdict)]
 
     def _split(self, pool_rho: float) -> tuple[list[int], list[int], dict[int, float]]:
         """Of the GPUs whose queues serve more than one class, those that serve the batch
@@ -594,6 +622,42 @@ class _Pool:
                     [h],
                     after,
                     receivers=shares,
+                )
+            )
+        return out
+
+    def _returns(self, leaving: set[int]) -> list[Recommendation]:
+        """``add_worker`` for each GPU back from being down whose drain may still stand (a
+        drain stands ``ttl_seconds`` after the call that renewed it last), from its worker's
+        first window back; none for one in ``leaving``."""
+        out = []
+        # one window of a worker that serves again will do: HAProxy's health check still
+        # takes out one that crashes again
+        for gpu, h in sorted(self.recent.items()):
+            until = self.down_until.get(gpu)
+            if (
+                until is None
+                or gpu in leaving
+                or self.now - until > self.r.ttl_seconds
+                or h.since_seconds < until
+                or h.verdict.state == "unknown"
+                or _is_down(h.verdict)
+            ):
+                continue
+            weights = self._capacity_weights()
+            after = (
+                None if weights is None else self.model.predict_rho(self.host, self.pool, weights)
+            )
+            out.append(
+                self._make(
+                    "add_worker",
+                    f"gpu:{gpu}",
+                    {"gpu": gpu, "workers": self._worker_names([gpu])},
+                    f"GPU {gpu} was down until {until:.0f} and its worker serves again: return "
+                    "it to rotation, where a drain for its crash would keep it out",
+                    [h],
+                    after,
+                    receivers=[gpu],
                 )
             )
         return out

@@ -24,7 +24,7 @@ from gpubalance.analyzer.features import FeatureStream, FeatureTable, concatenat
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import FrameSource, SourceError, open_source
 from gpubalance.analyzer.verdict import Classifier, Diagnosis, Verdicts
-from gpubalance.diagnosis import Ack, AckStatus, FleetVerdict, Recommendation, Verdict
+from gpubalance.diagnosis import Ack, AckStatus, Action, FleetVerdict, Recommendation, Verdict
 
 log = logging.getLogger("gpubalance.analyzer")
 
@@ -39,6 +39,8 @@ RESHARE_RATIO = 0.25
 RESHARE_MIN = 0.02
 # acks that say an executor did, or will do, what was asked: a new ask needs doing again
 DONE: frozenset[AckStatus] = frozenset({"accepted", "applied"})
+# a recommendation of the first action expires a standing one of the second for its target
+UNDOES: Mapping[Action, Action] = {"add_worker": "drain", "drain": "add_worker"}
 
 # a source error's reason label, from its message: few values, so that a rate per reason means
 # something ("unreachable" pages someone, "bad_answer" files a bug)
@@ -333,10 +335,33 @@ class AnalyzerService:
                     else:
                         recommendation = dataclasses.replace(recommendation, acks=old.acks)
                 self._recommendations[recommendation.id] = recommendation
+                self._supersede(recommendation, now)
             for key, recommendation in list(self._recommendations.items()):
                 if _forgotten(recommendation, now):
                     del self._recommendations[key]
                     self._asked.pop(key, None)
+
+    def _supersede(self, recommendation: Recommendation, now: float) -> None:
+        """Expire the standing recommendations of its target that it undoes: a GPU back from
+        a crash is returned (``add_worker``) while the drain of its crash would stand until its
+        expiry, and an executor given both would refuse both as contradictory. With the lock."""
+        undone = UNDOES.get(recommendation.action)
+        for key, standing in list(self._recommendations.items()):
+            if (
+                standing.action == undone
+                and standing.host == recommendation.host
+                and standing.target == recommendation.target
+                and standing.expires_seconds > now
+            ):
+                log.info(
+                    "recommendation %s (%s %s) is superseded by %s (%s)",
+                    key,
+                    standing.action,
+                    standing.target,
+                    recommendation.id,
+                    recommendation.action,
+                )
+                self._recommendations[key] = dataclasses.replace(standing, expires_seconds=now)
 
     # what the server reads
 

@@ -17,7 +17,9 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
   naming its servers, which take no new requests (their sessions finish);
 - `remove_worker`: the same targets, drained first, then `maint` once the sessions reach 0
   (failed after `Settings.drain_timeout_seconds`);
-- `add_worker`: the same targets, back to `ready`.
+- `add_worker`: the same targets, back to `ready` (the analyzer's, for a GPU back from a crash
+  its drain took out), but for a split's server in maint (`_split_off`): a drain of a server
+  in maint leaves it there, so that one is the split's.
 
 A weight above 0 for a server this controller took out of rotation itself (`taken_out`: its
 own drain or maint was its last word on the server, as its audit log shows) readies it too:
@@ -222,7 +224,16 @@ def _wants(rec: Recommendation, observed: Observed, step: int) -> list[_Want] | 
         servers = _servers_named(rec.parameters["workers"], observed)
         if isinstance(servers, str):
             return refuse("unknown_target", f"{rec.action} of {rec.target}: {servers}")
-        return [_Want(server, "admin", _ADMIN_OF[rec.action]) for server in servers]
+        return [
+            _Want(server, "admin", _ADMIN_OF[rec.action])
+            for server in servers
+            # the side of a split a server is in maint on stays so (a split's, not a drain's)
+            if not (
+                rec.action == "add_worker"
+                and server.admin == "maint"
+                and _split_off(server, observed)
+            )
+        ]
     if rec.action == "set_weights":
         pool = {s.server: s for s in observed.pool(rec.target)}
         if not pool:
@@ -276,12 +287,13 @@ def _readied(wants: list[_Want], taken_out: frozenset[str], observed: Observed) 
 
 def _split_off(server: ObservedServer, observed: Observed) -> bool:
     """A split's server: of a batch backend (whose rotation only a split changes), or of a
-    shared backend while its twin in the batch backend is ready."""
+    shared backend while its twin in the batch backend is out of maint (ready, or drained
+    for a crash)."""
     shared = split_from(server.backend)
     if shared is not None and server_key(shared, server.server) in observed.servers:
         return True
     twin = observed.servers.get(server_key(batch_backend(server.backend), server.server))
-    return twin is not None and twin.admin == "ready"
+    return twin is not None and twin.admin != "maint"
 
 
 def _split(
@@ -472,8 +484,10 @@ def _describe(ws: list[_Want]) -> str:
 
 
 def _met(want: _Want) -> bool:
-    current = want.server.weight if want.attribute == "weight" else want.server.admin
-    return current == want.value
+    if want.attribute == "weight":
+        return want.server.weight == want.value
+    # a server in maint takes no new requests already: a drain leaves it there
+    return want.server.admin == want.value or (want.value, want.server.admin) == ("drain", "maint")
 
 
 def _step(

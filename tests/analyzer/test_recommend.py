@@ -196,6 +196,54 @@ def _one_hot(
     return frames
 
 
+class _Timeline(_Labels):
+    """A classifier that gives each GPU its label of each window (the first of its list
+    before it, the last after)."""
+
+    def __init__(self, labels: dict[int, list[str]]) -> None:
+        super().__init__({g: kinds[-1] for g, kinds in labels.items()})
+        self.timeline = labels
+        self.classes_ = np.array(sorted({k for kinds in labels.values() for k in kinds}))
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        out = np.zeros((len(table.frames), len(self.classes_)))
+        for i, frame in enumerate(table.frames):
+            kinds = self.timeline[frame.gpu]
+            label = kinds[min(int(frame.t_start // WINDOW), len(kinds) - 1)]
+            out[i, list(self.classes_).index(label)] = 1.0
+        return out
+
+
+def _crash_and_return(windows: int, down: int = 2, **settings: float) -> tuple[Recommendation, ...]:
+    """Three quiet GPUs; GPU 1's worker down in windows 1 .. ``down``, serving after."""
+    frames = [
+        healthy_frame(g, w, workers=(f"w{g}",), completions_per_second=1.0)
+        for w in range(windows)
+        for g in range(3)
+    ]
+    kinds = ["starved/low_demand"] + ["starved/worker_crash"] * down + ["starved/low_demand"]
+    labels = {0: ["starved/low_demand"], 1: kinds, 2: ["starved/low_demand"]}
+    table = FeatureBuilder().transform(frames)
+    diagnosis = Verdicts(_Timeline(labels)).diagnose(table)
+    return Recommender(**settings).recommend(diagnosis, table, frames[-1].t_end)
+
+
+def test_a_gpu_back_from_a_crash_is_returned_to_rotation() -> None:
+    # its verdicts follow the classifier a window late: down in windows 2 and 3 (drained after
+    # the second), serving from window 4, which returns it
+    assert _actions(_crash_and_return(4)) == [("drain", "gpu:1")]
+    back = _crash_and_return(5)
+    assert _actions(back) == [("add_worker", "gpu:1")]
+    assert back[0].parameters["workers"] == ["w1"]
+    assert "GPU 1 was down until 120" in back[0].reason
+    # while a drain renewed in its last down window may stand (ttl 120 s), and no longer
+    assert _actions(_crash_and_return(8)) == [("add_worker", "gpu:1")]
+    assert _actions(_crash_and_return(9)) == []
+    assert _actions(_crash_and_return(8, ttl_seconds=60.0)) == []
+    # down for one window only: never drained, nothing to return
+    assert _actions(_crash_and_return(6, down=1)) == []
+
+
 def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
     frames = _one_hot({}, {"feeder_cpu_cores_max": 1.0})
     found = _by_labels(

@@ -24,7 +24,7 @@ from gpubalance.analyzer.server import AnalyzerServer, openapi_document
 from gpubalance.analyzer.service import EXPIRED_KEPT_SECONDS, AnalyzerService
 from gpubalance.analyzer.sources import LabRunSource
 from gpubalance.analyzer.verdict import Diagnosis
-from gpubalance.diagnosis import Recommendation
+from gpubalance.diagnosis import Action, Recommendation
 from gpubalance.lab import run as lab_run
 from gpubalance.lab import scenario
 
@@ -49,6 +49,7 @@ class FixedRecommender:
     fail: bool = False
     calls: list[float] = field(default_factory=list)
     hot_weight: float = 1.0  # the overloaded GPU's weight (the others' is 3)
+    extra: tuple[Recommendation, ...] = ()  # made on each call besides
 
     def recommend(
         self, diagnosis: Diagnosis, table: FeatureTable, now_seconds: float
@@ -93,6 +94,7 @@ class FixedRecommender:
                 expires_seconds=now_seconds + 60,
                 cost_rank=5,
             ),
+            *self.extra,
         )
 
 
@@ -273,6 +275,48 @@ def test_an_expired_recommendation_gets_409_then_an_unknown_one_404(
     clock.now += EXPIRED_KEPT_SECONDS
     status, answer = served.ack("look-1", body)
     assert status == 404 and "look-1" in answer["error"]
+
+
+def _gpu_action(action: Action, host: str, now: float) -> Recommendation:
+    return Recommendation(
+        id=f"{action}-2",
+        action=action,
+        host=host,
+        target="gpu:2",
+        parameters={"gpu": 2, "workers": ["worker-2"]},
+        reason="GPU 2's worker",
+        evidence=(),
+        confidence=1.0,
+        created_seconds=now,
+        expires_seconds=now + 120,
+    )
+
+
+def test_a_return_supersedes_the_drain_of_its_gpu_and_a_drain_the_return(
+    served: Served, clock: Clock, recommender: FixedRecommender
+) -> None:
+    """A drain stands its 120 s after its last cycle; an executor given it beside the return of
+    the same GPU would refuse both as contradictory, and the GPU would stay out."""
+
+    def listed() -> list[str]:
+        return [r["id"] for r in served.request("/api/v1/recommendations")[1]["recommendations"]]
+
+    host = served.request("/api/v1/diagnosis")[1]["gpus"][0]["host"]
+    recommender.extra = (_gpu_action("drain", host, clock.now),)
+    served.server.service.cycle()
+    assert "drain-2" in listed()
+    clock.now += 30
+    recommender.extra = (_gpu_action("add_worker", host, clock.now),)
+    served.server.service.cycle()
+    assert "add_worker-2" in listed() and "drain-2" not in listed()
+    body = {"status": "applied", "reason": "drained", "by": "controller"}
+    status, answer = served.ack("drain-2", body)
+    assert status == 409 and "expired" in answer["error"]
+    # crashed again: the drain is back, the return gone; the rest untouched
+    clock.now += 30
+    recommender.extra = (_gpu_action("drain", host, clock.now),)
+    served.server.service.cycle()
+    assert sorted(listed()) == ["drain-2", "look-1", "weights-1"]
 
 
 def test_a_failing_recommender_costs_its_cycle_not_the_service(

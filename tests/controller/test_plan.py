@@ -738,6 +738,35 @@ def test_a_split_readies_the_batch_side_in_its_backend_then_takes_it_out_of_the_
     assert [(c.key, c.value) for c in back.changes if c.kind == "set_state"] == [("be/w3", "ready")]
 
 
+def test_a_gpu_back_from_a_crash_is_readied_where_its_drain_took_it_out_and_no_further() -> None:
+    """After a split, w3 is ready in the batch backend and in maint in the shared one: the
+    drain for its crash takes it out of the first and leaves the second, and its return
+    readies the first alone."""
+    state = replace(
+        _shared_and_batch(["w3"]),
+        servers={
+            **_shared_and_batch(["w3"]).servers,
+            "be/w3": server("w3", "be", admin="maint"),
+        },
+    )
+    gpu = {"gpu": 3, "workers": ["w3"]}
+    drained = plan(state, [rec("d", "drain", "gpu:3", gpu, cost_rank=2)], (), SETTINGS)
+    assert [(c.key, c.value) for c in drained.changes] == [("be_batch/w3", "drain")]
+    state = apply(state, drained.changes)
+    back = [rec("a", "add_worker", "gpu:3", gpu, cost_rank=6)]
+    returned = plan(state, back, (), SETTINGS, frozenset({"be_batch/w3"}))
+    assert [(c.key, c.value) for c in returned.changes] == [("be_batch/w3", "ready")]
+    state = apply(state, returned.changes)
+    assert plan(state, back, (), SETTINGS).converged == ("a",)
+    assert state.servers["be/w3"].admin == "maint"
+    # without a split: the drained server is readied
+    plain = observed(server("w0"), server("w1", admin="drain"))
+    readied = plan(
+        plain, [rec("a", "add_worker", "gpu:1", {"gpu": 1, "workers": ["w1"]})], (), SETTINGS
+    )
+    assert [(c.key, c.value) for c in readied.changes] == [("be/w1", "ready")]
+
+
 @pytest.mark.parametrize(
     ("state", "parameters", "reason", "found"),
     [
