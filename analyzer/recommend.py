@@ -5,11 +5,12 @@ a diagnosis, from the verdicts that have held for ``persistence_windows`` window
 (``reweight_windows`` for a re-weighting: the cheapest change, which the controller verifies
 and undoes, waits least),
 
-- a lost GPU or a crashed worker: ``drain`` it (its work goes to the others);
-- a GPU drained so whose worker serves again (for ``reweight_windows``, within
-  ``ttl_seconds`` of its last down window, while the drain may still stand): ``add_worker`` it
-  back into rotation; HAProxy's health check would send it requests again, but not through a
-  drain;
+- a lost GPU: ``drain`` it (its work goes to the others). Its worker's process may live on and
+  pass HAProxy's health check while every request it takes fails. A crashed worker gets no
+  drain: its server fails the health check, which takes it out and brings it back when the
+  worker restarts, while a drain would keep the restarted worker out until someone readied it;
+- a GPU drained so that serves again (for ``reweight_windows``, within ``ttl_seconds`` of its
+  last lost window, while the drain may still stand): ``add_worker`` it back into rotation;
 - an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
   proportion to fitted capacity over the GPUs that can take work (those held back by their host,
   memory or a crash keep their share);
@@ -271,8 +272,8 @@ class Recommender:
         return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
 
     def _down_until(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], float]:
-        """Per GPU that was down (lost, or its worker crashed) for ``persistence_windows``
-        windows in a row, long enough to be drained: when its latest such run ended."""
+        """Per GPU that was lost for ``persistence_windows`` windows in a row, long enough to
+        be drained: when its latest such run ended."""
         by_gpu: dict[tuple[str, int], list[Verdict]] = {}
         for verdict in verdicts:
             by_gpu.setdefault((verdict.host, verdict.gpu), []).append(verdict)
@@ -280,7 +281,7 @@ class Recommender:
         for key, series in by_gpu.items():
             run = 0
             for verdict in sorted(series, key=lambda v: v.t_start):
-                run = run + 1 if _is_down(verdict) else 0
+                run = run + 1 if _is_lost(verdict) else 0
                 if run >= self.persistence_windows:
                     out[key] = verdict.t_end
         return out
@@ -363,11 +364,14 @@ def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
     return {p for p in pools if len({frozenset(w.get(p, set())) for w in recent}) > 1}
 
 
+def _is_lost(verdict: Verdict) -> bool:
+    """The GPU fell off the bus."""
+    return verdict.state == "unknown" and verdict.unknown_reason == "GPU lost"
+
+
 def _is_down(verdict: Verdict) -> bool:
     """The GPU fell off the bus, or its worker crashed."""
-    return (verdict.state == "unknown" and verdict.unknown_reason == "GPU lost") or (
-        verdict.state == "starved" and verdict.cause == "worker_crash"
-    )
+    return _is_lost(verdict) or (verdict.state == "starved" and verdict.cause == "worker_crash")
 
 
 def _situation(verdict: Verdict) -> tuple[str, str, str | None]:
@@ -606,19 +610,19 @@ class _Pool:
         live = [g for g in self.gpus if g not in {h.verdict.gpu for h in down}]
         if not live:
             return []  # the pool's last GPU: draining it would drop all of its work
-        for h in down:
+        for h in [h for h in down if _is_lost(h.verdict)]:
             gpu = h.verdict.gpu
             shares = {g: s for g, s in self._shares_now().items() if g != gpu}
             shares[gpu] = 0.0
             after = self.model.predict_rho(self.host, self.pool, shares)
-            what = "lost" if h.verdict.state == "unknown" else "its worker down"
             out.append(
                 self._make(
                     "drain",
                     f"gpu:{gpu}",
                     {"gpu": gpu, "workers": self._worker_names([gpu])},
-                    f"GPU {gpu} is {what}: take it out of rotation so that no request is sent "
-                    "to it and its share goes to the others",
+                    f"GPU {gpu} is lost: take it out of rotation so that no request is sent "
+                    "to it (its worker may still pass the health check) and its share goes to "
+                    "the others",
                     [h],
                     after,
                     receivers=shares,
@@ -627,12 +631,11 @@ class _Pool:
         return out
 
     def _returns(self, leaving: set[int]) -> list[Recommendation]:
-        """``add_worker`` for each GPU back from being down whose drain may still stand (a
-        drain stands ``ttl_seconds`` after the call that renewed it last), from its worker's
-        first window back; none for one in ``leaving``."""
+        """``add_worker`` for each GPU back from being lost whose drain may still stand (a
+        drain stands ``ttl_seconds`` after the call that renewed it last), from its first
+        window back; none for one in ``leaving``."""
         out = []
-        # one window of a worker that serves again will do: HAProxy's health check still
-        # takes out one that crashes again
+        # one window back will do: a GPU lost again is drained again
         for gpu, h in sorted(self.recent.items()):
             until = self.down_until.get(gpu)
             if (
@@ -653,8 +656,8 @@ class _Pool:
                     "add_worker",
                     f"gpu:{gpu}",
                     {"gpu": gpu, "workers": self._worker_names([gpu])},
-                    f"GPU {gpu} was down until {until:.0f} and its worker serves again: return "
-                    "it to rotation, where a drain for its crash would keep it out",
+                    f"GPU {gpu} was lost until {until:.0f} and its worker serves again: return "
+                    "it to rotation, where the drain for its loss would keep it out",
                     [h],
                     after,
                     receivers=[gpu],

@@ -196,52 +196,53 @@ def _one_hot(
     return frames
 
 
-class _Timeline(_Labels):
-    """A classifier that gives each GPU its label of each window (the first of its list
-    before it, the last after)."""
-
-    def __init__(self, labels: dict[int, list[str]]) -> None:
-        super().__init__({g: kinds[-1] for g, kinds in labels.items()})
-        self.timeline = labels
-        self.classes_ = np.array(sorted({k for kinds in labels.values() for k in kinds}))
-
-    def predict_proba(self, table: FeatureTable) -> np.ndarray:
-        out = np.zeros((len(table.frames), len(self.classes_)))
-        for i, frame in enumerate(table.frames):
-            kinds = self.timeline[frame.gpu]
-            label = kinds[min(int(frame.t_start // WINDOW), len(kinds) - 1)]
-            out[i, list(self.classes_).index(label)] = 1.0
-        return out
-
-
-def _crash_and_return(windows: int, down: int = 2, **settings: float) -> tuple[Recommendation, ...]:
-    """Three quiet GPUs; GPU 1's worker down in windows 1 .. ``down``, serving after."""
+def _lost_and_back(windows: int, lost: int = 2, **settings: float) -> tuple[Recommendation, ...]:
+    """Three quiet GPUs; GPU 1 lost (NVML says so) in windows 1 .. ``lost``, back after."""
     frames = [
-        healthy_frame(g, w, workers=(f"w{g}",), completions_per_second=1.0)
+        healthy_frame(
+            g, w, workers=(f"w{g}",), completions_per_second=1.0, lost=g == 1 and 1 <= w <= lost
+        )
         for w in range(windows)
         for g in range(3)
     ]
-    kinds = ["starved/low_demand"] + ["starved/worker_crash"] * down + ["starved/low_demand"]
-    labels = {0: ["starved/low_demand"], 1: kinds, 2: ["starved/low_demand"]}
     table = FeatureBuilder().transform(frames)
-    diagnosis = Verdicts(_Timeline(labels)).diagnose(table)
+    diagnosis = Verdicts(_Labels(dict.fromkeys(range(3), "starved/low_demand"))).diagnose(table)
     return Recommender(**settings).recommend(diagnosis, table, frames[-1].t_end)
 
 
-def test_a_gpu_back_from_a_crash_is_returned_to_rotation() -> None:
-    # its verdicts follow the classifier a window late: down in windows 2 and 3 (drained after
-    # the second), serving from window 4, which returns it
-    assert _actions(_crash_and_return(4)) == [("drain", "gpu:1")]
-    back = _crash_and_return(5)
+def _crashed(windows: int) -> tuple[Recommendation, ...]:
+    """Three quiet GPUs; GPU 1's worker gone (no serving queue reports) from window 1 on."""
+    frames = [
+        healthy_frame(g, w, workers=(f"w{g}",), completions_per_second=1.0)
+        if g != 1 or w == 0
+        else healthy_frame(g, w, serving_queues=0, completions_per_second=None)
+        for w in range(windows)
+        for g in range(3)
+    ]
+    table = FeatureBuilder().transform(frames)
+    diagnosis = Verdicts(_Labels(dict.fromkeys(range(3), "starved/low_demand"))).diagnose(table)
+    assert diagnosis.verdicts[-2].cause == "worker_crash"
+    return Recommender().recommend(diagnosis, table, frames[-1].t_end)
+
+
+def test_a_lost_gpu_is_drained_and_returned_once_back_and_a_crashed_worker_left_to_haproxy() -> (
+    None
+):
+    # lost in windows 1 and 2 (drained after the second), back from window 3, which returns it
+    assert _actions(_lost_and_back(3)) == [("drain", "gpu:1")]
+    back = _lost_and_back(4)
     assert _actions(back) == [("add_worker", "gpu:1")]
     assert back[0].parameters["workers"] == ["w1"]
-    assert "GPU 1 was down until 120" in back[0].reason
-    # while a drain renewed in its last down window may stand (ttl 120 s), and no longer
-    assert _actions(_crash_and_return(8)) == [("add_worker", "gpu:1")]
-    assert _actions(_crash_and_return(9)) == []
-    assert _actions(_crash_and_return(8, ttl_seconds=60.0)) == []
-    # down for one window only: never drained, nothing to return
-    assert _actions(_crash_and_return(6, down=1)) == []
+    assert "GPU 1 was lost until 90" in back[0].reason
+    # while a drain renewed in its last lost window may stand (ttl 120 s), and no longer
+    assert _actions(_lost_and_back(7)) == [("add_worker", "gpu:1")]
+    assert _actions(_lost_and_back(8)) == []
+    assert _actions(_lost_and_back(7, ttl_seconds=60.0)) == []
+    # lost for one window only: never drained, nothing to return
+    assert _actions(_lost_and_back(5, lost=1)) == []
+    # a crashed worker's server fails HAProxy's health check, which brings it back with the
+    # worker: a drain would keep the restarted worker out
+    assert _actions(_crashed(4)) == []
 
 
 def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
@@ -621,12 +622,12 @@ def test_no_move_at_a_pool_a_gpu_joined_within_the_persistence_windows() -> None
     # three (persistence 2, and one more): settled, and the least loaded qwen GPU may go
     assert [m.target for m in _moves(_by_labels(joined(3), labels))] == ["gpu:2"]
 
-    # a GPU judged down while its new model loaded is not drained the moment it serves: its
-    # pool gets nothing until its new shape has held the persistence windows and one more
-    down = LABELS | {4: "starved/worker_crash"}
+    # a GPU judged held back by its host while its new model loaded: its pool gets nothing
+    # until its new shape has held the persistence windows and one more
+    held = LABELS | {4: "starved/host_bound"}
     for windows in (1, 2):
-        assert not [r for r in _by_labels(joined(windows), down) if r.parameters["pool"] == "qwen"]
-    assert ("drain", "gpu:4") in _actions(_by_labels(joined(3), down))
+        assert not [r for r in _by_labels(joined(windows), held) if r.parameters["pool"] == "qwen"]
+    assert ("investigate_host", "gpu:4") in _actions(_by_labels(joined(3), held))
 
 
 def _wave(tmp_path: Path, seconds: float) -> list[Sample]:
