@@ -13,7 +13,13 @@ and undoes, waits least),
   last lost window, while the drain may still stand): ``add_worker`` it back into rotation;
 - an imbalance the pool has the capacity for (total ρ < 1): ``set_weights``, weights per GPU in
   proportion to fitted capacity over the GPUs that can take work (those held back by their host,
-  memory or a crash keep their share);
+  memory or a crash keep their share; one whose feeding process is pinned at its threads,
+  ``target_rho`` of it);
+- a GPU starved by its host with its feeding process pinned at its threads, where the pool's
+  other GPUs can take what it cannot (none of them at ρ ≥ 1 after): ``set_weights`` that send it
+  ``target_rho`` of what it serves now. Its requests wait for its host's threads, out of sight
+  of its serving queue: leastconn evens out requests in flight, which wait far longer there
+  than behind a GPU's batches;
 - a shortage (total ρ ≥ 1 with no GPU that could take work, or the fleet verdict says so):
   ``scale_out`` by as many GPUs of the pool's card as bring the pool under ``target_rho``;
 - over-provisioning (every GPU starved for want of demand): ``remove_worker`` of the GPU with the
@@ -73,6 +79,7 @@ from gpubalance.analyzer.capacity import (
     offered_rate,
     pool_of,
 )
+from gpubalance.analyzer.causes import PINNED_FEEDER
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.verdict import Diagnosis
 from gpubalance.diagnosis import Action, ExpectedEffect, FleetVerdict, Recommendation, Verdict
@@ -364,6 +371,19 @@ def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
     return {p for p in pools if len({frozenset(w.get(p, set())) for w in recent}) > 1}
 
 
+def _pinned(table: FeatureTable, host: str, gpus: set[int]) -> set[int]:
+    """Of ``gpus``, those whose feeding process was pinned at its threads in their latest
+    window."""
+    latest: dict[int, int] = {}
+    for i, frame in enumerate(table.frames):
+        if frame.host != host or frame.gpu not in gpus:
+            continue
+        if frame.gpu not in latest or frame.t_start >= table.frames[latest[frame.gpu]].t_start:
+            latest[frame.gpu] = i
+    pinned = table.column("feeder_cpu_pinned")
+    return {g for g, i in latest.items() if pinned[i] >= PINNED_FEEDER}
+
+
 def _is_lost(verdict: Verdict) -> bool:
     """The GPU fell off the bus."""
     return verdict.state == "unknown" and verdict.unknown_reason == "GPU lost"
@@ -441,11 +461,12 @@ class _Pool:
         self.rho_now = model.rho(host, pool)
         self.measured = {g for g, c in self.gpus.items() if c.measured}
         self.iwq_now = self._idle_while_queued(self.rho_now)
+        self.pinned = _pinned(table, host, set(self.gpus)) if table is not None else set()
 
     def recommendations(self) -> list[Recommendation]:
         out: list[Recommendation] = []
         out += self._drains()
-        balance = self._balance()
+        balance = self._balance() or self._shed_host()
         if balance is not None:
             out.append(balance)
         out += self._host_limits()
@@ -725,6 +746,38 @@ class _Pool:
             receivers=weights,
         )
 
+    def _shed_host(self) -> Recommendation | None:
+        """Weights that send a GPU whose feeding process is pinned ``target_rho`` of what it
+        serves, the rest to the GPUs that can take work, where none of those reaches ρ 1."""
+        pinned = [
+            h
+            for h in self._held_where("starved", {"host_bound"}, recent=True)
+            if h.verdict.gpu in self.pinned
+        ]
+        if not pinned:
+            return None
+        weights = self._capacity_weights()
+        free = set(weights or ()) - self._limited()
+        if weights is None or not free:
+            return None
+        after = self.model.predict_rho(self.host, self.pool, weights)
+        if after is None or any(after.get(g, math.inf) >= 1.0 for g in free):
+            return None  # what it cannot serve the others cannot either
+        total = sum(weights.values())
+        gpus = [h.verdict.gpu for h in pinned]
+        return self._make(
+            "set_weights",
+            f"pool:{self.pool}",
+            {"weights": self._weight_list({g: w / total for g, w in weights.items()})},
+            f"{_gpus(gpus)}: requests wait for the host, whose feeding process is pinned at "
+            "its threads (leastconn evens out requests in flight, not waits); send each "
+            f"{self.r.target_rho:.0%} of what it serves until the host is fixed, the rest to "
+            "the GPUs with room",
+            pinned,
+            after,
+            receivers=free,
+        )
+
     def _capacity_weights(self, new: Mapping[int, float] | None = None) -> dict[int, float] | None:
         """Shares of the pool's offered load by capacity, ``new`` GPUs (index -> capacity)
         included; GPUs that cannot take more keep at most theirs (a down one none: one held
@@ -744,6 +797,8 @@ class _Pool:
         weights: dict[int, float] = {}
         for g in limited:
             share = 0.0 if g in down else now.get(g, 0.0) / total
+            if g in self.pinned:
+                share *= self.r.target_rho  # what its host serves, less: its wait drains
             if every.get(g) and whole > 0:
                 share = min(share, every[g] / whole)
             weights[g] = share

@@ -12,7 +12,10 @@ failure once, the variants how the loop does across its family. Results: bench/R
 (section "loop") and bench/loop.png.
 
     python bench/loop.py [--seeds 3] [--duration SECONDS] [--scenario NAME ...]
-                         [--generated 4]
+                         [--generated 4] [--breadth 1]
+
+Last, `--breadth` variants of every generated family under leastconn and the controller
+alone: the controller acts on leastconn, and must not make a working server worse.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ GENERATED: tuple[tuple[str, str], ...] = (
     ("skew: sticky sessions", "sticky-skew"),
 )
 GENERATED_SEED = 77
+# the controller acts on leastconn: beside it, on a variant of every generated family (those
+# the Done-when names and the rest), it must help or leave things as they were, never make a
+# working server worse; a ratio of its p99 to leastconn's beyond this is called out
+BREADTH_POLICIES = ("leastconn", "controller")
+WORSE_RATIO = 1.10
 # the pool-demand scenarios' static splits, each under leastconn and the oracle: static-best is
 # the best of the leastconn ones, what a controller that moves GPUs between the pools has to beat
 SHIFTS = ("pool-demand-shift", "pool-demand-peaks")
@@ -86,15 +94,24 @@ def policies(plan: Plan) -> list[str]:
 
 
 def run_all(
-    plans: dict[str, Plan], seeds: int, duration: float | None, what: str = "loop benchmark"
+    plans: dict[str, Plan],
+    seeds: int,
+    duration: float | None,
+    what: str = "loop benchmark",
+    only: Sequence[str] | None = None,
 ) -> dict[str, dict]:
+    """Each plan under each policy (``only`` those), ``seeds`` runs each."""
     out: dict[str, dict[str, list[LoopResult]]] = {}
-    total = sum(len(policies(plan)) for plan in plans.values()) * seeds
+    chosen = {
+        name: [p for p in policies(plan) if only is None or p in only]
+        for name, plan in plans.items()
+    }
+    total = sum(len(c) for c in chosen.values()) * seeds
     with progress(what, total) as advance:
         for name, plan in plans.items():
             length = duration or plan.scenario.duration_seconds
             out[name] = {}
-            for policy in policies(plan):
+            for policy in chosen[name]:
                 runs = []
                 for k in range(seeds):
                     runs.append(run_policy(plan, policy, plan.scenario.seed + k, length))
@@ -291,6 +308,71 @@ def generated_plans(count: int) -> dict[str, tuple[str, Plan, str]]:
     return out
 
 
+def breadth_plans(count: int) -> dict[str, tuple[str, Plan]]:
+    """Variant name -> (family, plan): ``count`` variants of every generated family."""
+    return {
+        v.name: (family, generate.plan_of(v.document, v.name))
+        for family in generate.FAMILIES
+        for v in generate.variants(family, count, GENERATED_SEED)
+    }
+
+
+def breadth_report(results: dict[str, dict], meta: dict[str, tuple[str, Plan]]) -> str:
+    lines = [
+        f"Every generated family: `gpubalance lab generate --family F --count N --seed "
+        f"{GENERATED_SEED}`, each variant once at its own seed and drawn duration, under "
+        "leastconn and under the controller, which acts on leastconn: where the analyzer "
+        "recommends nothing the controller can carry out, the two runs are the same run. p99 "
+        "in seconds, per class where a variant has two (the class the controller served "
+        f"worst against leastconn, then the best); ratios beyond {WORSE_RATIO:.2f} are marked. "
+        "The controller's weights are its own: a variant's `router` event (a person changing "
+        "the weights mid-run) is left out of its run, kept in leastconn's.",
+        "",
+        "| family | variant | leastconn p99 | controller p99 | controller / leastconn | "
+        "worst class | best class | IWQ leastconn | IWQ controller | failed leastconn | "
+        "failed controller | actions |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    worse: list[str] = []
+    same = better = 0
+    for name, by_policy in results.items():
+        family, _ = meta[name]
+        lc, ctl = by_policy["leastconn"][0], by_policy["controller"][0]
+        a, b = p99(lc) or math.nan, p99(ctl) or math.nan
+        classes = sorted(
+            (
+                ((p99(ctl, c) or math.nan) / (p99(lc, c) or math.nan), c)
+                for c in lc.latency
+                if c != ALL and c in ctl.latency
+            ),
+            reverse=True,
+        )
+        worst = f"{classes[0][1]} {classes[0][0]:.2f}" if len(classes) > 1 else ""
+        best = f"{classes[-1][1]} {classes[-1][0]:.2f}" if len(classes) > 1 else ""
+        ratio = b / a
+        mark = " ⚠" if ratio > WORSE_RATIO else ""
+        if ratio > WORSE_RATIO:
+            worse.append(name)
+        elif ratio < 1 / WORSE_RATIO:
+            better += 1
+        else:
+            same += 1
+        acted = ", ".join(f"{k} {v}" for k, v in ctl.actions.items())
+        lines.append(
+            f"| {family} | {name} | {_s(a)} | {_s(b)} | {ratio:.2f}{mark} | {worst} | {best} "
+            f"| {_pct(lc.idle_while_queued_ratio or 0.0)} "
+            f"| {_pct(ctl.idle_while_queued_ratio or 0.0)} | {lc.failed} | {ctl.failed} "
+            f"| {acted} |"
+        )
+    lines += [
+        "",
+        f"Of {len(results)} variants the controller's p99 is within {WORSE_RATIO:.2f}x "
+        f"leastconn's on {same}, better on {better}, worse on {len(worse)}"
+        + (f" ({', '.join(worse)})." if worse else "."),
+    ]
+    return "\n".join(lines)
+
+
 def settled_p99(r: LoopResult) -> float | None:
     return r.settled[ALL].p99_seconds
 
@@ -416,7 +498,14 @@ def main() -> None:
         type=int,
         default=4,
         metavar="N",
-        help="variants per generated family (0: none)",
+        help="variants per generated family the Done-when names (0: none)",
+    )
+    parser.add_argument(
+        "--breadth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="variants of every generated family under leastconn and the controller (0: none)",
     )
     args = parser.parse_args()
     families = dict((name, family) for family, name in FAMILIES)
@@ -428,6 +517,14 @@ def main() -> None:
     drawn = generated_plans(args.generated) if args.generated > 0 else {}
     generated = run_all(
         {name: plan for name, (_, plan, _) in drawn.items()}, 1, None, "generated variants"
+    )
+    wide = breadth_plans(args.breadth) if args.breadth > 0 else {}
+    breadth = run_all(
+        {name: plan for name, (_, plan) in wide.items()},
+        1,
+        None,
+        "every family: leastconn and the controller",
+        BREADTH_POLICIES,
     )
     split_runs = {
         name: run_splits(name, args.seeds)
@@ -441,6 +538,7 @@ def main() -> None:
             report(results, families, command.strip(), took),
             *(line for name, runs in split_runs.items() for line in split_report(name, runs)),
             *(["", generated_report(generated, drawn)] if generated else []),
+            *(["", breadth_report(breadth, wide)] if breadth else []),
         ]
     )
     write_section(

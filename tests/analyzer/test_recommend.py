@@ -246,16 +246,53 @@ def test_a_lost_gpu_is_drained_and_returned_once_back_and_a_crashed_worker_left_
 
 
 def test_a_host_bound_gpu_gets_no_more_work_and_its_host_looked_at() -> None:
-    frames = _one_hot({}, {"feeder_cpu_cores_max": 1.0})
-    found = _by_labels(
-        frames, {0: "overloaded/routing_skew", 1: "starved/host_bound", 2: "starved/routing_skew"}
-    )
+    # GPU 1's host is under CPU pressure, its feeding process not pinned at its threads
+    frames = _one_hot({}, {"feeder_cpu_cores_max": 0.7})
+    labels = {0: "overloaded/routing_skew", 1: "starved/host_bound", 2: "starved/routing_skew"}
+    found = _by_labels(frames, labels)
     assert _actions(found) == [("set_weights", "pool:llama"), ("investigate_host", "gpu:1")]
     weights = _shares(found[0])
     # GPU 1 keeps its share of the pool's offered load (1 of 12.5/s), the rest by capacity
     assert weights["gpu:1"] == pytest.approx(1.0 / 12.5, abs=0.01)
     assert weights["gpu:0"] == pytest.approx(weights["gpu:2"])
     assert "feeding process" in found[1].reason or "CPU" in found[1].reason
+    # pinned at its one thread: its requests wait for it, and it gets 70 % of its share
+    pinned = _shares(_by_labels(_one_hot({}, {"feeder_cpu_cores_max": 1.0}), labels)[0])
+    assert pinned["gpu:1"] == pytest.approx(0.7 / 12.5, abs=0.01)
+
+
+def _host_pinned(room: bool) -> tuple[Recommendation, ...]:
+    """Three GPUs, each sent 4/s; GPU 0's feeding process pinned at its one thread (its GPU
+    half idle); the others half busy (``room``), or serving flat out with their queues full."""
+    busy = {"utilization_mean_ratio": 1.0, "queue_depth_mean": 8.0, "batch_size_mean": 8.0}
+    frames = []
+    for w in range(4):
+        frames += [
+            healthy_frame(
+                0, w, workers=("w0",), completions_per_second=4.0, feeder_cpu_cores_max=1.0
+            ),
+            *(
+                healthy_frame(
+                    g, w, workers=(f"w{g}",), completions_per_second=4.0, **({} if room else busy)
+                )
+                for g in (1, 2)
+            ),
+        ]
+    labels = {0: "starved/host_bound", 1: "balanced/none", 2: "balanced/none"}
+    return _by_labels(frames, labels)
+
+
+def test_a_gpu_whose_feeder_is_pinned_sheds_work_to_peers_with_room() -> None:
+    """No peer is overloaded, and leastconn sends the pinned worker as many requests in flight
+    as the others: they wait for its one thread. It gets 70 % of what it serves."""
+    found = _host_pinned(room=True)
+    assert _actions(found) == [("set_weights", "pool:llama"), ("investigate_host", "gpu:0")]
+    shares = _shares(found[0])
+    assert shares["gpu:0"] == pytest.approx(0.7 * 4.0 / 12.0, abs=0.01)
+    assert shares["gpu:1"] == pytest.approx(shares["gpu:2"])
+    assert "pinned" in found[0].reason and "GPU 0" in found[0].reason
+    # peers serving flat out already (4/s is all they can): nowhere to send its work
+    assert _actions(_host_pinned(room=False)) == [("investigate_host", "gpu:0")]
 
 
 def test_an_overloaded_gpu_short_of_memory_still_sheds_work() -> None:

@@ -682,3 +682,17 @@ def test_a_crashed_worker_is_left_to_the_health_check_which_brings_it_back(
     assert "drain" not in ctl.recommended and ctl.actions == {}
     assert ctl.latency["all"] == lc.latency["all"]
     assert ctl.idle_while_queued_ratio == lc.idle_while_queued_ratio < 0.10
+
+
+def test_a_worker_whose_feeder_is_pinned_is_sent_less_and_the_tail_shrinks() -> None:
+    """host-bound: w2 feeds its GPU on one thread, and a `preprocess` event doubles its cost
+    at 120 s. leastconn gives it as many requests in flight as its peers, which wait there
+    for its thread; the loop sends it less than it serves, the rest to GPUs with room."""
+    plan = scenario.load("host-bound")
+    seed, length = plan.scenario.seed, plan.scenario.duration_seconds
+    ctl = run_policy(plan, "controller", seed, length)
+    lc = run_policy(plan, "leastconn", seed, length)
+    assert ctl.recommended.get("set_weights", 0) >= 1 and ctl.actions.get("set_weight", 0) >= 1
+    assert ctl.max_actions_per_freeze <= 1
+    assert ctl.latency["all"].p99_seconds < 0.8 * lc.latency["all"].p99_seconds
+    assert ctl.failed == lc.failed == 0
