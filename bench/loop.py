@@ -21,6 +21,7 @@ alone: the controller acts on leastconn, and must not make a working server wors
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -309,12 +310,17 @@ def generated_plans(count: int) -> dict[str, tuple[str, Plan, str]]:
 
 
 def breadth_plans(count: int) -> dict[str, tuple[str, Plan]]:
-    """Variant name -> (family, plan): ``count`` variants of every generated family."""
-    return {
-        v.name: (family, generate.plan_of(v.document, v.name))
-        for family in generate.FAMILIES
-        for v in generate.variants(family, count, GENERATED_SEED)
-    }
+    """Variant name -> (family, plan): ``count`` variants of every generated family, without
+    their `router` events (a person re-weighting mid-run), which the controller's run leaves
+    out: leastconn's run is then the controller's without the controller."""
+    out: dict[str, tuple[str, Plan]] = {}
+    for family in generate.FAMILIES:
+        for v in generate.variants(family, count, GENERATED_SEED):
+            plan = generate.plan_of(v.document, v.name)
+            kept = [e for e in plan.scenario.events if e.router is None]
+            unrouted = plan.scenario.model_copy(update={"events": kept})
+            out[v.name] = (family, dataclasses.replace(plan, scenario=unrouted))
+    return out
 
 
 def breadth_report(results: dict[str, dict], meta: dict[str, tuple[str, Plan]]) -> str:
@@ -325,8 +331,8 @@ def breadth_report(results: dict[str, dict], meta: dict[str, tuple[str, Plan]]) 
         "recommends nothing the controller can carry out, the two runs are the same run. p99 "
         "in seconds, per class where a variant has two (the class the controller served "
         f"worst against leastconn, then the best); ratios beyond {WORSE_RATIO:.2f} are marked. "
-        "The controller's weights are its own: a variant's `router` event (a person changing "
-        "the weights mid-run) is left out of its run, kept in leastconn's.",
+        "A variant's `router` events (a person changing the weights mid-run) are left out of "
+        "both runs, as the controller's run leaves them out everywhere.",
         "",
         "| family | variant | leastconn p99 | controller p99 | controller / leastconn | "
         "worst class | best class | IWQ leastconn | IWQ controller | failed leastconn | "
