@@ -49,7 +49,7 @@ And across the pools of a host:
   batches after a quiet spell serves more as its queue grows, before it needs another GPU. At
   most one per host: a move changes both pools, and the next is judged on what it left.
 
-``add_worker`` returns a GPU that was down only: the frames do not say which GPU has room for
+``add_worker`` returns a GPU that was lost only: the frames do not say which GPU has room for
 another model.
 
 Each carries what the capacity model expects: ρ per GPU of the pool before and after, and
@@ -181,7 +181,7 @@ class Recommender:
             raise ValueError(f"scale_in_windows must be 1 or more: {self.scale_in_windows}")
         model = copy.deepcopy(self.capacity or CapacityModel()).fit(table)
         held = self._held(diagnosis.verdicts)
-        down_until = self._down_until(diagnosis.verdicts)
+        lost_until = self._lost_until(diagnosis.verdicts)
         fleet: dict[tuple[str, str], FleetVerdict] = {}
         for verdict in diagnosis.fleet:
             fleet[(verdict.host, verdict.pool)] = verdict  # time order: the latest wins
@@ -224,7 +224,7 @@ class Recommender:
                 _busiest(table, host, pool, self.scale_in_windows),
                 classes,
                 table,
-                {g: t for (h, g), t in down_until.items() if h == host},
+                {g: t for (h, g), t in lost_until.items() if h == host},
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -278,7 +278,7 @@ class Recommender:
             return None
         return max(moves, key=lambda m: (m.gain, -m.gpu)).recommendation()
 
-    def _down_until(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], float]:
+    def _lost_until(self, verdicts: Iterable[Verdict]) -> dict[tuple[str, int], float]:
         """Per GPU that was lost for ``persistence_windows`` windows in a row, long enough to
         be drained: when its latest such run ended."""
         by_gpu: dict[tuple[str, int], list[Verdict]] = {}
@@ -431,11 +431,11 @@ class _Pool:
         busiest_per_second: float | None,
         classes: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
         table: FeatureTable | None = None,
-        down_until: Mapping[int, float] | None = None,
+        lost_until: Mapping[int, float] | None = None,
     ) -> None:
         self.r = recommender
-        # per GPU that was down long enough to be drained, when it last was
-        self.down_until = down_until or {}
+        # per GPU that was lost long enough to be drained, when it last was
+        self.lost_until = lost_until or {}
         self.workers = workers
         # the classes each GPU serves, and the windows a split reads the classes' work from
         # (only a split does: read then, not for every pool)
@@ -658,7 +658,7 @@ class _Pool:
         out = []
         # one window back will do: a GPU lost again is drained again
         for gpu, h in sorted(self.recent.items()):
-            until = self.down_until.get(gpu)
+            until = self.lost_until.get(gpu)
             if (
                 until is None
                 or gpu in leaving

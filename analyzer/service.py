@@ -343,8 +343,9 @@ class AnalyzerService:
 
     def _supersede(self, recommendation: Recommendation, now: float) -> None:
         """Expire the standing recommendations of its target that it undoes: a GPU back from
-        a crash is returned (``add_worker``) while the drain of its crash would stand until its
-        expiry, and an executor given both would refuse both as contradictory. With the lock."""
+        being lost is returned (``add_worker``) while the drain of its loss would stand until
+        its expiry, and an executor given both would refuse both as contradictory. With the
+        lock."""
         undone = UNDOES.get(recommendation.action)
         for key, standing in list(self._recommendations.items()):
             if (

@@ -17,8 +17,8 @@ recommendations ask for plans nothing. What a recommendation asks, per action:
   naming its servers, which take no new requests (their sessions finish);
 - `remove_worker`: the same targets, drained first, then `maint` once the sessions reach 0
   (failed after `Settings.drain_timeout_seconds`);
-- `add_worker`: the same targets, back to `ready` (the analyzer's, for a GPU back from a crash
-  its drain took out), but for a split's server in maint (`_split_off`): a drain of a server
+- `add_worker`: the same targets, back to `ready` (the analyzer's, for a GPU back from being lost
+  that its drain took out), but for a split's server in maint (`_split_off`): a drain of a server
   in maint leaves it there, so that one is the split's.
 
 A weight above 0 for a server this controller took out of rotation itself (`taken_out`: its
@@ -288,7 +288,7 @@ def _readied(wants: list[_Want], taken_out: frozenset[str], observed: Observed) 
 def _split_off(server: ObservedServer, observed: Observed) -> bool:
     """A split's server: of a batch backend (whose rotation only a split changes), or of a
     shared backend while its twin in the batch backend is out of maint (ready, or drained
-    for a crash)."""
+    for its GPU's loss)."""
     shared = split_from(server.backend)
     if shared is not None and server_key(shared, server.server) in observed.servers:
         return True

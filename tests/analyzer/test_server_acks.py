@@ -312,7 +312,7 @@ def test_a_return_supersedes_the_drain_of_its_gpu_and_a_drain_the_return(
     body = {"status": "applied", "reason": "drained", "by": "controller"}
     status, answer = served.ack("drain-2", body)
     assert status == 409 and "expired" in answer["error"]
-    # crashed again: the drain is back, the return gone; the rest untouched
+    # lost again: the drain is back, the return gone; the rest untouched
     clock.now += 30
     recommender.extra = (_gpu_action("drain", host, clock.now),)
     served.server.service.cycle()

@@ -738,9 +738,9 @@ def test_a_split_readies_the_batch_side_in_its_backend_then_takes_it_out_of_the_
     assert [(c.key, c.value) for c in back.changes if c.kind == "set_state"] == [("be/w3", "ready")]
 
 
-def test_a_gpu_back_from_a_crash_is_readied_where_its_drain_took_it_out_and_no_further() -> None:
+def test_a_gpu_back_from_its_loss_is_readied_where_its_drain_took_it_out_and_no_further() -> None:
     """After a split, w3 is ready in the batch backend and in maint in the shared one: the
-    drain for its crash takes it out of the first and leaves the second, and its return
+    drain for its GPU's loss takes it out of the first and leaves the second, and its return
     readies the first alone."""
     state = replace(
         _shared_and_batch(["w3"]),
