@@ -574,7 +574,12 @@ def line_distance(rho: float) -> float:
     overloaded), relative to that line: 0.1 is 10 % of it."""
     from gpubalance.lab.truth import OVERLOADED_RHO, STARVED_RHO
 
-    return min(abs(rho - STARVED_RHO) / STARVED_RHO, abs(rho - OVERLOADED_RHO) / OVERLOADED_RHO)
+    return min(_from_line(rho, STARVED_RHO), _from_line(rho, OVERLOADED_RHO))
+
+
+def _from_line(rho: float, line: float) -> float:
+    """How far ρ lies from one line of the truth, relative to it."""
+    return abs(rho - line) / line
 
 
 def by_line_distance(
@@ -622,7 +627,7 @@ def false_alarm_rhos(runs: Sequence[RunVerdicts], judge: str) -> list[float]:
                     said = timeline[stretch[0]][1]
                     line = OVERLOADED_RHO if said == "overloaded" else STARVED_RHO
                     values = [rho[(host, gpu, w)] for w in stretch]
-                    out.append(min(abs(v - line) / line for v in values if not math.isnan(v)))
+                    out.append(min(_from_line(v, line) for v in values if not math.isnan(v)))
     return sorted(out)
 
 

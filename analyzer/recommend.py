@@ -657,21 +657,21 @@ class _Pool:
         window back; none for one in ``leaving``."""
         out = []
         # one window back will do: a GPU lost again is drained again
-        for gpu, h in sorted(self.recent.items()):
-            until = self.lost_until.get(gpu)
-            if (
-                until is None
-                or gpu in leaving
-                or self.now - until > self.r.ttl_seconds
-                or h.since_seconds < until
-                or h.verdict.state == "unknown"
-                or _is_down(h.verdict)
-            ):
-                continue
-            weights = self._capacity_weights()
-            after = (
-                None if weights is None else self.model.predict_rho(self.host, self.pool, weights)
-            )
+        back = [
+            (gpu, h, until)
+            for gpu, h in sorted(self.recent.items())
+            if (until := self.lost_until.get(gpu)) is not None
+            and gpu not in leaving
+            and self.now - until <= self.r.ttl_seconds
+            and h.verdict.state != "unknown"
+            and not _is_down(h.verdict)
+        ]
+        if not back:
+            return out
+        # once readied, the pool's load spreads by capacity over every GPU that takes work
+        weights = self._capacity_weights()
+        after = None if weights is None else self.model.predict_rho(self.host, self.pool, weights)
+        for gpu, h, until in back:
             out.append(
                 self._make(
                     "add_worker",

@@ -347,6 +347,8 @@ class AnalyzerService:
         its expiry, and an executor given both would refuse both as contradictory. With the
         lock."""
         undone = UNDOES.get(recommendation.action)
+        if undone is None:
+            return
         for key, standing in list(self._recommendations.items()):
             if (
                 standing.action == undone

@@ -21,7 +21,6 @@ alone: the controller acts on leastconn, and must not make a working server wors
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import sys
@@ -45,6 +44,7 @@ from gpubalance.lab.loop_bench import (  # noqa: E402
     LoopResult,
     run_policy,
     splits,
+    without_router_events,
 )
 from gpubalance.lab.scenario import Plan  # noqa: E402
 
@@ -316,10 +316,7 @@ def breadth_plans(count: int) -> dict[str, tuple[str, Plan]]:
     out: dict[str, tuple[str, Plan]] = {}
     for family in generate.FAMILIES:
         for v in generate.variants(family, count, GENERATED_SEED):
-            plan = generate.plan_of(v.document, v.name)
-            kept = [e for e in plan.scenario.events if e.router is None]
-            unrouted = plan.scenario.model_copy(update={"events": kept})
-            out[v.name] = (family, dataclasses.replace(plan, scenario=unrouted))
+            out[v.name] = (family, without_router_events(generate.plan_of(v.document, v.name)))
     return out
 
 

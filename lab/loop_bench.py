@@ -149,8 +149,14 @@ def bench_plan(plan: Plan, policy: str) -> Plan:
     if policy == "controller":
         # the weights are the controller's: a person's change of them (a `router` event) is
         # left out, as gpubalance.lab.apply leaves those after the time it applies at
-        changed["events"] = [e for e in plan.scenario.events if e.router is None]
+        plan = without_router_events(plan)
     return dataclasses.replace(plan, scenario=plan.scenario.model_copy(update=changed))
+
+
+def without_router_events(plan: Plan) -> Plan:
+    """The plan without its `router` events: a person changing the weights mid-run."""
+    kept = [e for e in plan.scenario.events if e.router is None]
+    return dataclasses.replace(plan, scenario=plan.scenario.model_copy(update={"events": kept}))
 
 
 def run_policy(

@@ -56,6 +56,7 @@ traffic:
     prompt_tokens: {kind: fixed, value: 128}
     output_tokens: {kind: fixed, value: 16}
 """
+THREE_CARDS = TWO_CARDS.replace("{card: RTX 4090, count: 2}", "{card: RTX 4090, count: 3}")
 
 
 def _started(path: Path) -> FastRun:
@@ -356,7 +357,7 @@ def test_a_gpu_whose_worker_is_down_is_out_of_service(tmp_path: Path) -> None:
     idle time is no pool's GPU-time (nor idle-while-queued)."""
     path = tmp_path / "down.yaml"
     path.write_text(
-        TWO_CARDS.replace("    - {card: RTX 4090, count: 2}", "    - {card: RTX 4090, count: 3}")
+        THREE_CARDS
         + "events:\n"
         + "  - {at: 15, worker_crash: {worker: w1, restart_after_seconds: 20}}\n"
         + "  - {at: 40, gpu_lost: {gpu: 2}}\n"
@@ -670,9 +671,7 @@ def test_a_crashed_worker_is_left_to_the_health_check_which_brings_it_back(
     while the others queued for 17.8 % of this run with it left drained."""
     path = tmp_path / "crash.yaml"
     path.write_text(
-        TWO_CARDS.replace(
-            "    - {card: RTX 4090, count: 2}", "    - {card: RTX 4090, count: 3}"
-        ).replace("rate: 8}", "rate: 16}")
+        THREE_CARDS.replace("rate: 8}", "rate: 16}")
         + "events:\n"
         + "  - {at: 20, worker_crash: {worker: w1, restart_after_seconds: 110}}\n"
     )
