@@ -178,11 +178,19 @@ def _changed(
         if applied.action == "set_weight" and applied.key in servers:
             # a weight the history does not hold (an old audit log) counts the server as changed
             start.setdefault(applied.key, -1 if applied.before is None else applied.before)
+    pools: dict[str, list[ObservedServer]] = {}
+    for server in servers.values():
+        pools.setdefault(server.backend, []).append(server)
+    totals = {  # per backend: its weight now, before the period's first change; servers weighted
+        backend: (
+            sum(s.weight for s in pool),
+            sum(max(start.get(s.key, s.weight), 0) for s in pool),
+            sum(1 for s in pool if s.weight > 0),
+        )
+        for backend, pool in pools.items()
+    }
     for key, first in start.items():
-        backend = servers[key].backend
-        pool = [s for s in servers.values() if s.backend == backend]
-        total_now = sum(s.weight for s in pool)
-        total_then = sum(max(start.get(s.key, s.weight), 0) for s in pool)
+        total_now, total_then, weighted = totals[servers[key].backend]
         now_weight = servers[key].weight
         moved = False
         if total_now > 0 and total_then > 0:
@@ -190,7 +198,7 @@ def _changed(
             # traffic piled onto a server beyond what it held and beyond an even split of the
             # backend, or taken from it: a server brought up to an even share from a skew is
             # not the blast radius the breaker guards against
-            even = 1 / max(sum(1 for s in pool if s.weight > 0), 1)
+            even = 1 / max(weighted, 1)
             moved = (
                 share_now - max(share_then, even) > weight_share
                 or share_then - share_now > weight_share

@@ -55,7 +55,7 @@ from gpubalance.controller.plan import batch_backend
 from gpubalance.controller.supervisor import SupervisorError, WorkerProcess, WorkersConfig
 from gpubalance.diagnosis import AckStatus, Recommendation
 from gpubalance.lab.fast import ORIGIN_SECONDS, FastRun, WorkerState
-from gpubalance.lab.live.haproxy import stat_algorithm
+from gpubalance.lab.live.haproxy import backend_pool, pool_backend, stat_algorithm
 from gpubalance.telemetry import Sample
 
 # srv_admin_state bits as `show servers state` reports them (SRV_ADMF_FMAINT, SRV_ADMF_FDRAIN)
@@ -73,7 +73,7 @@ _AFTER = 1e-6
 
 
 def backend_of(worker: WorkerState) -> str:
-    return f"be_{worker.plan.pool}"
+    return pool_backend(worker.plan.pool)
 
 
 def batch_backend_of(worker: WorkerState) -> str:
@@ -144,9 +144,9 @@ class LabBalancer:
             for s in servers
         ]
         # each backend's BACKEND row, with the balance algorithm as HAProxy's row names it
-        names = [f"be_{pool}" for pool in self.run.pools]
+        names = [pool_backend(pool) for pool in self.run.pools]
         if self.run.split_pool is not None:
-            names.append(batch_backend(f"be_{self.run.split_pool}"))
+            names.append(batch_backend(pool_backend(self.run.split_pool)))
         for backend in sorted(names):
             mine = [s for s in servers if s.backend == backend]
             rows.append(
@@ -327,7 +327,7 @@ class LabSupervisor:
 
     def start(self, gpu: int, pool: str) -> WorkerProcess:
         try:
-            return self._process(self.run.start_worker(gpu, pool.removeprefix("be_")))
+            return self._process(self.run.start_worker(gpu, backend_pool(pool)))
         except ValueError as exc:
             raise SupervisorError(str(exc)) from exc
 

@@ -23,7 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from controller_harness import Backends, haproxy_over, kill_groups, marked_processes, needs_haproxy
+from controller_harness import (
+    Backends,
+    handing,
+    haproxy_over,
+    held_listener,
+    kill_groups,
+    marked_processes,
+    needs_haproxy,
+    port_of,
+)
 
 from gpubalance.cli import main
 from gpubalance.lab.fakenvml import LIBRARY_NAME, write_state
@@ -80,10 +89,8 @@ def test_a_part_handed_its_listening_socket_serves_on_it(tmp_path: Path) -> None
     """`gpubalance run` binds each part's port and hands the socket down, so that no other
     process can take a port it chose (port 0 made a free one) before the part serves. Here the
     test holds the port too: a part that bound it anew would fail with "address in use"."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
+    with held_listener() as sock:
+        port = port_of(sock)
         part = subprocess.Popen(
             [
                 *(sys.executable, "-m", "gpubalance", "analyzer"),
@@ -92,9 +99,8 @@ def test_a_part_handed_its_listening_socket_serves_on_it(tmp_path: Path) -> None
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            pass_fds=(sock.fileno(),),
-            env={**os.environ, "GPUBALANCE_LISTEN_FD": str(sock.fileno())},
             start_new_session=True,
+            **handing(sock),
         )
         try:
             # the request waits in the socket's backlog until the analyzer, still starting

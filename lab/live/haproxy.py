@@ -24,11 +24,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal, get_args
+from typing import IO, Literal, Self, get_args
 
 # the runtime client lives with the controller, which runs on real hosts; one copy, and the
 # lab's callers keep importing its names from here
@@ -67,6 +67,20 @@ _BALANCE: dict[str, str] = {
     # every server at maxconn it waits in the backend queue
     "pooled": "leastconn",
 }
+
+
+# the backend the lab writes for a pool's workers is its name with this before it
+BACKEND_PREFIX = "be_"
+
+
+def pool_backend(pool: str) -> str:
+    """The HAProxy backend of a lab pool's workers."""
+    return BACKEND_PREFIX + pool
+
+
+def backend_pool(backend: str) -> str:
+    """The lab pool whose workers a :func:`pool_backend` backend holds."""
+    return backend.removeprefix(BACKEND_PREFIX)
 
 
 def stat_algorithm(policy: str) -> str:
@@ -404,30 +418,36 @@ def check(path: str | Path, *, binary: str | None = None) -> None:
         raise HaproxyError(f"HAProxy rejects {path}:\n{(result.stdout + result.stderr).strip()}")
 
 
-class HaproxyProcess:
-    """`haproxy -db` on a rendered config, as a context manager.
+class HaproxyRun:
+    """`haproxy -db` on a config's text, as a context manager.
 
-    `start` writes `haproxy.cfg` into the run directory, starts HAProxy in the foreground with
-    its output in `haproxy.log`, and returns once the runtime socket answers and every frontend
-    port accepts. `stop` soft-stops (SIGUSR1: finish requests in flight), then SIGTERM, then
-    SIGKILL.
+    `start` writes `haproxy.cfg` (``text``) into ``run_dir``, starts HAProxy in the foreground
+    with its output in `haproxy.log`, and returns once its runtime socket (``socket_path``, the
+    config's `stats socket`) answers and every frontend port (``ports``) accepts. `stop`
+    soft-stops (SIGUSR1: finish requests in flight), then SIGTERM, then SIGKILL.
     """
 
     def __init__(
         self,
-        config: HaproxyConfig,
+        text: str,
+        run_dir: Path,
+        socket_path: Path,
+        ports: Sequence[tuple[str, int]],
         *,
         binary: str | None = None,
         start_timeout_seconds: float = 15.0,
         stop_timeout_seconds: float = 10.0,
     ) -> None:
-        self.config = config
+        self.text = text
+        self.run_dir = run_dir
+        self.socket_path = socket_path
+        self.ports = tuple(ports)
         self.binary = binary
         self.start_timeout_seconds = start_timeout_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
-        self.config_path = config.run_dir / "haproxy.cfg"
-        self.log_path = config.run_dir / "haproxy.log"
-        self.api = RuntimeApi(config.socket_path)
+        self.config_path = run_dir / "haproxy.cfg"
+        self.log_path = run_dir / "haproxy.log"
+        self.api = RuntimeApi(socket_path)
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -441,8 +461,8 @@ class HaproxyProcess:
         if self._process is not None:
             raise HaproxyError(f"HAProxy already runs as PID {self._process.pid}; stop() it first")
         binary = self.binary or find_haproxy()
-        self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(render(self.config))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.text)
         self._log = self.log_path.open("wb")
         # own session: a Ctrl-C aimed at the lab reaches HAProxy through stop(), not directly
         self._process = subprocess.Popen(
@@ -461,7 +481,7 @@ class HaproxyProcess:
     def _wait_ready(self) -> None:
         assert self._process is not None
         deadline = time.monotonic() + self.start_timeout_seconds
-        ports = [(f.host, f.port) for f in self.config.frontends]
+        ports = self.ports
         while True:
             code = self._process.poll()
             if code is not None:
@@ -475,7 +495,7 @@ class HaproxyProcess:
             if time.monotonic() > deadline:
                 raise HaproxyError(
                     f"HAProxy did not become ready within {self.start_timeout_seconds} s "
-                    f"(runtime socket {self.config.socket_path}, ports {ports}); "
+                    f"(runtime socket {self.socket_path}, ports {ports}); "
                     f"from {self.log_path}:\n{self._log_tail()}"
                 )
             time.sleep(0.02)
@@ -510,7 +530,7 @@ class HaproxyProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> HaproxyProcess:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -521,6 +541,29 @@ class HaproxyProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class HaproxyProcess(HaproxyRun):
+    """:class:`HaproxyRun` on the config :func:`render` writes of ``config``."""
+
+    def __init__(
+        self,
+        config: HaproxyConfig,
+        *,
+        binary: str | None = None,
+        start_timeout_seconds: float = 15.0,
+        stop_timeout_seconds: float = 10.0,
+    ) -> None:
+        super().__init__(
+            render(config),
+            config.run_dir,
+            config.socket_path,
+            [(f.host, f.port) for f in config.frontends],
+            binary=binary,
+            start_timeout_seconds=start_timeout_seconds,
+            stop_timeout_seconds=stop_timeout_seconds,
+        )
+        self.config = config
 
 
 def start_on_free_ports(config: HaproxyConfig) -> HaproxyProcess:

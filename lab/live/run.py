@@ -257,7 +257,7 @@ class LiveLab:
             )
             backends.append(
                 haproxy.Backend(
-                    name=f"be_{pool}",
+                    name=haproxy.pool_backend(pool),
                     servers=servers,
                     policy=policy,
                     queue_timeout_seconds=router.queue_timeout_seconds,
@@ -265,15 +265,14 @@ class LiveLab:
                     max_queue=router.max_queue,
                 )
             )
-        routes = {cls: f"be_{pool}" for cls, pool in router.pools.items()}
-        default = (
-            "be_default" if any(b.name == "be_default" for b in backends) else backends[0].name
-        )
+        routes = {cls: haproxy.pool_backend(pool) for cls, pool in router.pools.items()}
+        fallback = haproxy.pool_backend("default")
+        default = fallback if any(b.name == fallback for b in backends) else backends[0].name
         split: dict[str, str] = {}
         if (pool := self.plan.splittable) is not None:
             # the pool's batch backend: its servers in maint until a controller's split
             # readies the batch side's, and the batch class goes there while one is up
-            shared = next(b for b in backends if b.name == f"be_{pool}")
+            shared = next(b for b in backends if b.name == haproxy.pool_backend(pool))
             servers = tuple(replace(s, disabled=True) for s in shared.servers)
             backends.append(replace(shared, name=batch_backend(shared.name), servers=servers))
             split = {BATCH_CLASS: batch_backend(shared.name)}
@@ -561,7 +560,9 @@ class LiveLab:
         elif event.router is not None:
             for name, weight in event.router.weights.items():
                 w = self.plan.workers[self._index(name)]
-                await asyncio.to_thread(api.set_weight, f"be_{w.pool}", name, self._weight(weight))
+                await asyncio.to_thread(
+                    api.set_weight, haproxy.pool_backend(w.pool), name, self._weight(weight)
+                )
 
     def _weight(self, weight: float) -> int:
         """HAProxy weight for a lab weight: as the fast speed, only weighted round robin uses

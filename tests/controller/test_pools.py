@@ -32,13 +32,13 @@ from controller_harness import (
 from gpubalance.cli import main
 from gpubalance.config import ConfigError
 from gpubalance.controller.backpressure import BackendCounts
-from gpubalance.controller.haproxy import RuntimeApi, RuntimeApiError, ServerStat
+from gpubalance.controller.haproxy import RuntimeApi, ServerStat
 from gpubalance.controller.loop import Controller
 from gpubalance.controller.model import Observed, ObservedServer, Settings
 from gpubalance.controller.plan import plan, plan_moves
 from gpubalance.controller.pools import PoolsConfig, load, render
-from gpubalance.lab.live.haproxy import check, find_haproxy
-from gpubalance.lab.live.ports import PortTakenError, on_a_free_port, says_port_taken
+from gpubalance.lab.live.haproxy import HaproxyRun, check
+from gpubalance.lab.live.ports import on_a_free_port
 
 
 def haproxy(test: Callable[..., None]) -> Callable[..., None]:
@@ -353,29 +353,30 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         socket_path = run / "haproxy.sock"
         binds: dict[str, int] = {}
 
-        def start(port: int) -> subprocess.Popen[bytes]:
+        def start(port: int) -> HaproxyRun:
             # a port chosen free may be taken before HAProxy binds it: all three anew then
             binds.update(be_flood=port, be_down=free_port(), be_share=free_port())
-            process = _start_haproxy(run, _pools_config(binds, ports), socket_path)
-            if process.poll() is not None:
-                log = (run / "haproxy.log").read_text(errors="replace")
-                if says_port_taken(log):
-                    raise PortTakenError(f"HAProxy: {log.strip()}")
-                raise AssertionError(f"HAProxy exited: {log}")
+            text = (
+                GLOBAL.format(socket=socket_path)
+                + "\n"
+                + render(_pools_config(binds, ports), "test")
+            )
+            process = HaproxyRun(text, run, socket_path, [("127.0.0.1", p) for p in binds.values()])
+            process.start()
             return process
 
         haproxy = on_a_free_port(start)
         api = RuntimeApi(socket_path, timeout_seconds=2.0)
         yield Rig(api, binds, ports, socket_path)
     finally:
-        for process in (haproxy, workers):
-            if process is not None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        if haproxy is not None:
+            haproxy.stop()
+        workers.terminate()
+        try:
+            workers.wait(10)
+        except subprocess.TimeoutExpired:
+            workers.kill()
+            workers.wait()
 
 
 def _pools_config(binds: dict[str, int], ports: list[int]) -> PoolsConfig:
@@ -410,35 +411,6 @@ def _pools_config(binds: dict[str, int], ports: list[int]) -> PoolsConfig:
             ]
         }
     )
-
-
-def _start_haproxy(run: Path, config: PoolsConfig, socket_path: Path) -> subprocess.Popen[bytes]:
-    """HAProxy on ``config``, once its runtime socket answers or it has exited (its log in
-    run/haproxy.log)."""
-    cfg = run / "haproxy.cfg"
-    cfg.write_text(GLOBAL.format(socket=socket_path) + "\n" + render(config, "test"))
-    check(cfg)
-    with (run / "haproxy.log").open("wb") as log:
-        haproxy = subprocess.Popen(
-            [find_haproxy(), "-db", "-f", str(cfg)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    api = RuntimeApi(socket_path, timeout_seconds=2.0)
-    deadline = time.monotonic() + 10
-    while haproxy.poll() is None and not _answers(api, haproxy.pid):
-        assert time.monotonic() < deadline, "HAProxy's socket did not answer within 10 s"
-        time.sleep(0.02)
-    return haproxy
-
-
-def _answers(api: RuntimeApi, pid: int) -> bool:
-    try:
-        return f"\nPid: {pid}\n" in api.command("show info")
-    except RuntimeApiError:
-        return False
 
 
 @dataclass(frozen=True)
