@@ -6,9 +6,9 @@ approved, step, and its end: moved, undone, failed, refused), `recommendation`, 
 `action`, `reason`, `before` and `after`; a move's lines name it (`move`) and a step its `phase`
 (move or undo). It is also the controller's memory of what it did, which HAProxy cannot show:
 at start the changes applied within the last hour (for the rate limit, the freezes and the
-breaker), whether the breaker was left open, and which servers it took out of rotation itself
-(less those a `returned` line names: seen ready again, readied by someone else) are read back
-from it. Each line is also an event of the trace span it was
+breaker), whether the breaker was left open or a person paused it, and which servers it took
+out of rotation itself (less those a `returned` line names: seen ready again, readied by
+someone else) are read back from it. Each line is also an event of the trace span it was
 decided in (controller/tracing.py).
 
 The file is read once, at the first question asked of it; the lines recorded after that are
@@ -18,8 +18,8 @@ it passes `max_bytes` it becomes `PATH.1` (the older ones `PATH.2` ... `PATH.<ke
 oldest dropped), and a fresh file is begun. A restarted controller reads the rotated files
 too, oldest first. What the controller keeps in memory across a rotation is what its questions
 need: the lines of the last `memory_seconds` (a day; the rate limit, the freezes and a move in
-flight look back an hour at most), the breaker's last word (tripped or re-armed) and its own
-last state change of each server, however old.
+flight look back an hour at most), the breaker's last word (tripped or re-armed), a person's
+last pause or resume and its own last state change of each server, however old.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ MAX_BYTES = 64 * 1024 * 1024  # a file this size is rotated
 KEEP = 5  # rotated files kept beside the current one
 MEMORY_SECONDS = 86400.0  # the lines a controller keeps in memory across a rotation
 _BREAKER = ("breaker_tripped", "rearmed")
+_PAUSE = ("paused", "resumed")
 # lines that change a server's admin state: its own changes, their undoing, and a server it had
 # taken out seen ready again
 _STATE_DECISIONS = ("applied", "undone", "returned")
@@ -112,11 +113,12 @@ class AuditLog:
         if self._entries:
             newest = max((e["at_seconds"] for e in self._entries if _timed(e)), default=0.0)
             breaker = [e for e in self._entries if e.get("decision") in _BREAKER][-1:]
+            pause = [e for e in self._entries if e.get("decision") in _PAUSE][-1:]
             states: dict[str, dict[str, Any]] = {}  # each server's last state change
             for e in self._entries:
                 if (state := _state_of(e)) is not None:
                     states[state[0]] = e
-            last_words = {id(e) for e in [*breaker, *states.values()]}
+            last_words = {id(e) for e in [*breaker, *pause, *states.values()]}
             self._entries = [
                 e
                 for e in self._entries
@@ -160,8 +162,16 @@ class AuditLog:
 
     def breaker_open(self) -> bool:
         """The breaker stays open across a restart until a person re-arms it."""
-        last = [e["decision"] for e in self.entries() if e.get("decision") in _BREAKER]
-        return bool(last) and last[-1] == "breaker_tripped"
+        return self._last_word(_BREAKER) == "breaker_tripped"
+
+    def paused(self) -> bool:
+        """A person's pause holds across a restart (a crash, an upgrade, systemd's
+        Restart=) until they resume the controller."""
+        return self._last_word(_PAUSE) == "paused"
+
+    def _last_word(self, decisions: tuple[str, ...]) -> str | None:
+        last = [e["decision"] for e in self.entries() if e.get("decision") in decisions]
+        return last[-1] if last else None
 
 
 def _read(path: Path) -> Iterator[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Act on the analyzer's recommendations through HAProxy: dry-run unless --act.
+"""Act on the analyzer's recommendations through HAProxy: dry-run unless --act; with --paused,
+only once a person resumes it.
 
 Each pass reads HAProxy's servers (runtime socket) and the analyzer's recommendations, plans the
 changes, guards them, carries them out (runtime API or agent-check), and records every decision
@@ -38,6 +39,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--act", action="store_true", help="carry changes out; without it nothing changes"
+    )
+    parser.add_argument(
+        "--paused",
+        action="store_true",
+        help="start paused: plan and log what it would do until a person's POST "
+        "/api/v1/resume (needs --token-file); a pause holds across restarts",
     )
     parser.add_argument(
         "--listen",
@@ -182,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubalance controller: {exc}", file=sys.stderr)
         return 2
+    if args.paused and token is None:
+        print(
+            "gpubalance controller: --paused needs --token-file: a person resumes it with "
+            "POST /api/v1/resume and that token",
+            file=sys.stderr,
+        )
+        return 2
     if token is None and not _loopback(args.listen[0]):
         print(
             f"gpubalance controller: listening on {args.listen[0]} (beyond 127.0.0.1) needs "
@@ -279,6 +293,8 @@ async def serve(
             mover=mover,
             tracer=tracing.tracer,
         )
+        if args.paused and not controller.paused:
+            controller.pause()
         app = ControlServer(controller, token).app()
         security.install(app)
         runner = web.AppRunner(app, access_log=None)
@@ -300,6 +316,8 @@ async def serve(
             "acting" if controller.settings.act else "dry-run (start with --act to act)",
             args.audit_log,
         )
+        if controller.paused:
+            log.warning("paused: it plans and logs, and acts after POST /api/v1/resume")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

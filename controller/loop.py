@@ -3,8 +3,9 @@
 Level-triggered: each pass reads HAProxy's servers and the analyzer's recommendations afresh
 and plans from them alone, so a pass that finds HAProxy already as asked does nothing, and a
 restarted controller picks up where HAProxy is. What HAProxy cannot show, the changes this
-controller made (rate limit, freezes, breaker), comes back from the audit log. A recommendation
-the controller has acknowledged (the analyzer lists its acks) is finished.
+controller made (rate limit, freezes, breaker) and a person's pause, comes back from the audit
+log. A recommendation the controller has acknowledged (the analyzer lists its acks) is
+finished.
 
 An unreachable HAProxy socket or analyzer means no action in that pass, `source_up` 0, and the
 next pass after a doubling back-off (up to `MAX_BACKOFF_SECONDS`).
@@ -100,7 +101,7 @@ class Controller:
         self.history: list[Applied] = audit.applied_since(clock() - self._horizon)
         self.breaker_open = audit.breaker_open()
         self.rearmed_at = audit.last_rearm()
-        self.paused = False
+        self.paused = audit.paused()
         self.failures = 0  # passes failed in a row: the back-off
         self.last: PassReport | None = None
         self.passes = 0
@@ -112,7 +113,7 @@ class Controller:
         self.verifier.resume(audit.entries(), clock())
         metrics.dry_run.set(0 if settings.act else 1)
         metrics.breaker_tripped.set(1 if self.breaker_open else 0)
-        metrics.paused.set(0)
+        metrics.paused.set(1 if self.paused else 0)
 
     @property
     def _horizon(self) -> float:

@@ -2,7 +2,8 @@
 
 Each part is the real one, as its own process, talking to the next over HTTP: the analyzer
 reads the exporter, the controller reads the analyzer and the host's HAProxy runtime socket.
-The controller is dry-run unless --act. Everything listens on 127.0.0.1 unless told otherwise.
+The controller is dry-run unless --act, and with --paused waits for a person's POST
+/api/v1/resume before it acts. Everything listens on 127.0.0.1 unless told otherwise.
 
 --config FILE is the one config file, in the format the parts read: its `exporter:` section
 (every key of `gpubalance exporter --config`; exporter.listen is used when --exporter-listen is
@@ -92,6 +93,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="let the controller carry changes out; without it nothing changes",
     )
     parser.add_argument(
+        "--paused",
+        action="store_true",
+        help="start the controller paused: it plans and logs until a person's POST "
+        "/api/v1/resume on it (needs --token-file)",
+    )
+    parser.add_argument(
         "--exporter-listen",
         metavar="HOST:PORT",
         help=f"the exporter's address (default exporter.listen, else {DEFAULT_EXPORTER_LISTEN})",
@@ -162,6 +169,11 @@ def _commands(
             "no HAProxy runtime socket: give --haproxy-socket PATH (the controller reads and "
             "sets HAProxy's servers through it; `stats socket PATH level admin` in haproxy.cfg)"
         )
+    if args.paused and not args.token_file:
+        raise BadInput(
+            "--paused needs --token-file: a person resumes the controller with POST "
+            "/api/v1/resume and that token"
+        )
     try:
         exporter = load_section(ExporterConfig, args.config, "exporter")
     except ConfigError as exc:
@@ -213,6 +225,7 @@ def _commands(
             "--audit-log",
             args.audit_log,
             *(["--act"] if args.act else []),
+            *(["--paused"] if args.paused else []),
             *(arg for name in args.backend or () for arg in ("--backend", name)),
             *config,
             *token,
@@ -300,6 +313,11 @@ async def supervise(
         _say(
             ", ".join(f"{p.name} {p.url} (pid {p.process.pid})" for p in parts)
             + ("; the controller acts" if "--act" in commands["controller"] else "; dry-run")
+            + (
+                " (paused until POST /api/v1/resume)"
+                if "--paused" in commands["controller"]
+                else ""
+            )
         )
         exits = {asyncio.ensure_future(p.process.wait()): p for p in parts}
         stopping = asyncio.ensure_future(stop.wait())

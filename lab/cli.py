@@ -88,7 +88,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=seconds,
         default=None,
         metavar="SECONDS",
-        help="stop after this long (default: until Ctrl-C; 30 s when not a terminal)",
+        help="stop after this long (default: until Ctrl-C; 45 s when not a terminal)",
     )
 
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         if duration is None and not (
             sys.stdout.isatty() or os.environ.get("GPUBALANCE_DEMO_FOREVER")
         ):
-            duration = 30.0
+            duration = 45.0
         return run_demo(args.build_dir, duration)
     raise AssertionError(args.lab_command)
 

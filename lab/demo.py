@@ -1,15 +1,18 @@
 """`make demo`: the live lab on a skewed, heterogeneous RTX server, with `gpubalance run` on it
 as a user runs it on a real host: the exporter reading the lab through the fake NVML driver and
 the lab's procfs tree, the analyzer judging the exporter's history, and the controller acting on
-the analyzer's recommendations (`--act`) through the lab's real HAProxy.
+the analyzer's recommendations (`--act`) through the lab's real HAProxy. The controller starts
+paused (`--paused`), as a cautious operator would start it: for the view's first
+``WATCH_SECONDS`` it only plans and logs what it would change, while the skew runs; then the
+demo resumes it as that operator would (POST /api/v1/resume with the token).
 
 The scenario (lab/scenarios/skewed-heterogeneous.yaml: 3x RTX 4090 + RTX 3090, one card the
 default target of a weighted round robin) shows what gpubalance is for: one card hot, the others
 idling, the slow card's tail latency; and then the loop fixing it. Below the live view of the
 GPUs and the analyzer's verdicts, the loop's panel shows the p99 latency the workers report
 (their latency histograms) and the idle-while-queued share the analyzer reads from the exporter,
-before the controller's first action and now, and each change the controller makes (its audit
-log) as it happens. At the end one line sums up before and after.
+before the controller's first action and now, what it would change while paused, and each
+change it makes (its audit log) as it happens. At the end one line sums up before and after.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import bisect
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -51,6 +55,9 @@ ANALYZER_ARGS = "--window 3 --interval 1"
 # A re-weighting of the demo's one pool of 4 servers changes 3 or 4 of them, which the default
 # breaker share (0.5) takes for a blast radius: the demo lets the whole pool change.
 CONTROLLER_ARGS = "--interval 1 --breaker-share 1"
+# the controller starts paused and the demo resumes it after this long in view: the skew's
+# figures over some hundreds of requests, and what the paused controller would change
+WATCH_SECONDS = 15.0
 # Every worker serves TGI's /metrics: one queue name for all (one pool, as the analyzer groups
 # GPUs by their queues), batch sizes (which idle-while-queued needs and vLLM's lacks) and a
 # latency histogram (the p99; Triton's has none).
@@ -120,6 +127,8 @@ def start_stack(
     parts' URLs, once all three listen."""
     log_path = lab.run_dir / "run.log"
     lab.procfs.mkdir(exist_ok=True)  # the exporter's --procfs must exist; its files follow
+    token_path(lab).touch(mode=0o600)  # readable by this user only before it holds the token
+    token_path(lab).write_text(secrets.token_urlsafe(24) + "\n")
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [
@@ -128,6 +137,9 @@ def start_stack(
                 "gpubalance",
                 "run",
                 "--act",
+                "--paused",
+                "--token-file",
+                str(token_path(lab)),
                 "--config",
                 str(run_config(lab, build_dir)),
                 # HaproxyConfig's runtime socket, in the lab's run directory
@@ -161,6 +173,22 @@ def start_stack(
             )
         time.sleep(0.05)
     return process, dict(zip(("exporter", "analyzer", "controller"), match.groups(), strict=True))
+
+
+def token_path(lab: LiveLab) -> Path:
+    """The bearer token of the controller's control endpoints (and the analyzer's acks)."""
+    return lab.run_dir / "token"
+
+
+def resume(controller_url: str, token: str) -> None:
+    """POST /api/v1/resume, as the person watching the paused controller would."""
+    request = urllib.request.Request(
+        f"{controller_url}/api/v1/resume",
+        method="POST",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    with urllib.request.urlopen(request, timeout=5):
+        pass
 
 
 def stop_stack(process: subprocess.Popen[bytes]) -> int:
@@ -316,6 +344,24 @@ class LoopPanel:
     def applied(self) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["decision"] == "applied"]
 
+    @property
+    def paused(self) -> bool:
+        """The controller's last word on its pause is "paused" (a person resumes it)."""
+        said = [e["decision"] for e in self.entries if e["decision"] in ("paused", "resumed")]
+        return bool(said) and said[-1] == "paused"
+
+    def would_change(self) -> list[str]:
+        """The servers the paused controller would change now: its latest pass' waits."""
+        waits = [
+            e
+            for e in self.entries
+            if e["decision"] == "waiting" and str(e.get("reason", "")).startswith("paused")
+        ]
+        if not waits:
+            return []
+        latest = waits[-1]["at_seconds"]
+        return sorted({str(e["target"]) for e in waits if e["at_seconds"] == latest})
+
     def _period(
         self, start: float, end: float, windows: list[tuple[float, float, float]]
     ) -> Period:
@@ -354,7 +400,14 @@ class LoopPanel:
 
     def render(self) -> Group:
         self.poll()
-        lines = [Text("loop · gpubalance run --act: the controller acts through HAProxy", "bold")]
+        if self.paused:
+            header = (
+                "loop · gpubalance run --act --paused: the controller plans and waits; "
+                f"the demo resumes it (POST /api/v1/resume) after {WATCH_SECONDS:.0f} s"
+            )
+        else:
+            header = "loop · gpubalance run --act: the controller acts through HAProxy"
+        lines = [Text(header, "bold")]
         before, after = self.before(), self.after()
         if before is not None:
             label = "before the controller's first change" if after else "so far, no change yet"
@@ -366,7 +419,11 @@ class LoopPanel:
         applied = self.applied
         lines.append(Text(f"controller: {len(applied)} change(s) applied"))
         lines.extend(Text(change_line(entry)) for entry in applied[-8:])
-        if not applied and self.entries:
+        if self.paused:
+            targets = self.would_change()
+            would = f"it would change {', '.join(targets)}" if targets else "no change planned yet"
+            lines.append(Text(f"  paused; {would}"))
+        elif not applied and self.entries:
             last = self.entries[-1]
             lines.append(Text(f"  last decision: {last['decision']}: {last.get('reason', '')}"))
         return Group(*lines)
@@ -436,6 +493,8 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
     failure: list[BaseException] = []
     stack: subprocess.Popen[bytes] | None = None
     panel: LoopPanel | None = None
+    resumer: threading.Timer | None = None
+    unresumed: list[str] = []  # why the demo could not resume the controller
 
     def serve() -> None:
         try:
@@ -465,6 +524,16 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
             f"   HAProxy frontend: http://127.0.0.1:{lab.frontend_port}   lab files: {lab.run_dir}"
         )
         shown = True
+
+        def resume_controller() -> None:
+            try:
+                resume(urls["controller"], token_path(lab).read_text().strip())
+            except OSError as exc:
+                unresumed.append(str(exc))
+
+        resumer = threading.Timer(WATCH_SECONDS, resume_controller)
+        resumer.daemon = True
+        resumer.start()
         code = watch(
             urls["exporter"],
             refresh=1.0,
@@ -479,8 +548,12 @@ def run_demo(build_dir: Path, duration: float | None) -> int:
             code = code or 1
         print(panel.changes())
         print(panel.summary())
+        for reason in unresumed:
+            print(f"the demo could not resume the controller: {reason}")
         return code
     finally:
+        if resumer is not None:
+            resumer.cancel()
         if panel is not None:
             panel.stop()
         if stack is not None:

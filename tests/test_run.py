@@ -61,6 +61,14 @@ def test_without_a_haproxy_socket_it_exits_2_saying_what_to_give(capsys) -> None
     )
 
 
+def test_paused_without_a_token_file_it_exits_2_before_anything_starts(capsys) -> None:
+    assert main(["run", "--haproxy-socket", "/run/haproxy.sock", "--paused"]) == 2
+    assert capsys.readouterr().err == (
+        "gpubalance run: --paused needs --token-file: a person resumes the controller with POST "
+        "/api/v1/resume and that token\n"
+    )
+
+
 def test_a_taken_port_exits_2_naming_the_address_and_its_flag(capsys, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

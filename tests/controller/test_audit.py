@@ -77,29 +77,31 @@ def test_the_log_rotates_by_size_and_keeps_the_last_files(tmp_path: Path) -> Non
     assert len(kept) == lines < 100  # the oldest file went
 
 
-def test_across_a_rotation_the_memory_keeps_the_last_day_and_the_breakers_last_word(
+def test_across_a_rotation_the_memory_keeps_the_last_day_and_the_last_words(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path, max_bytes=3000, keep=100, memory_seconds=3600.0)
     log.record(0.0, "breaker_tripped", reason="3 of 4 servers changed within 300 s")
-    assert log.breaker_open()
+    log.record(1.0, "paused", by="operator")
+    assert log.breaker_open() and log.paused()
     day = 86400.0
     for k in range(60):
         _applied(log, day + 600.0 * k)  # ten hours: rotations on the way
     assert log.rotated(), "the log rotated"
-    # in memory: the breaker's last word, however old, and the last hour
-    assert log.breaker_open()
+    # in memory: the breaker's and the pause's last words, however old, and the last hour
+    assert log.breaker_open() and log.paused()
     # (at each rotation, what is older than memory_seconds before the newest line goes)
     remembered = [a.at_seconds for a in log.applied_since(0.0)]
     assert [day + 600.0 * k for k in range(60)][-len(remembered) :] == remembered
     assert 6 <= len(remembered) < 60
     # read back after a restart, every retained file: the breaker is still open
     again = AuditLog(path, max_bytes=3000, keep=100)
-    assert again.breaker_open()
+    assert again.breaker_open() and again.paused()
     assert len(again.applied_since(0.0)) == 60
     log.record(day * 2, "rearmed", by="operator")
-    assert not log.breaker_open() and log.last_rearm() == day * 2
+    log.record(day * 2, "resumed", by="operator")
+    assert not log.breaker_open() and log.last_rearm() == day * 2 and not log.paused()
     log.close()
 
 

@@ -236,6 +236,31 @@ def test_the_breaker_trips_stays_open_across_a_restart_and_a_person_rearms_it(
     asyncio.run(scenario())
 
 
+def test_a_pause_holds_across_a_restart_until_a_person_resumes(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Backends(["s0", "s1"]) as backends, Analyzer() as analyzer:
+            config = backends.config(tmp_path / "run")
+            async with haproxy_over(config) as haproxy, aiohttp.ClientSession() as http:
+                analyzer.recommendations = [recommendation("r1", "drain", "be/s0")]
+                log = tmp_path / "audit.jsonl"
+                controller = make_controller(config.socket_path, analyzer.url, http, log)
+                controller.pause()
+                assert (await controller.run_once()).applied == []
+                # a crash or a restart by systemd: the person's pause still holds
+                restarted = make_controller(config.socket_path, analyzer.url, http, log)
+                assert restarted.paused and restarted.status()["paused"]
+                assert sample(restarted, "gpubalance_controller_paused") == 1
+                assert (await restarted.run_once()).applied == []
+                assert {a for _, a in weights(haproxy.api).values()} == {"ready"}
+                restarted.resume()
+                assert len((await restarted.run_once()).applied) == 1
+                # resumed, a later restart acts too
+                again = make_controller(config.socket_path, analyzer.url, http, log)
+                assert not again.paused and sample(again, "gpubalance_controller_paused") == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_restarted_controller_rederives_state_and_repeats_no_action(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:

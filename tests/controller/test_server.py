@@ -235,7 +235,10 @@ def test_the_controller_imports_no_lab_module() -> None:
 
 @pytest.mark.haproxy
 @pytest.mark.skipif(not haproxy_installed(), reason="haproxy is not installed")
-def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("paused", [False, True], ids=["acting", "started-paused"])
+def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(
+    tmp_path: Path, paused: bool
+) -> None:
     async def scenario(listener: socket.socket) -> None:
         async with Backends(["s1", "s2"]) as backends, Analyzer() as analyzer:
             config = backends.config(tmp_path / "run")
@@ -245,14 +248,35 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                 ]
                 port = port_of(listener)
                 args = acting_args(analyzer.url, config.socket_path, tmp_path, port)
-                process = await start_command(*args, listener=listener)
+                process = await start_command(
+                    *args, *(["--paused"] if paused else []), listener=listener
+                )
+                status_url = f"http://127.0.0.1:{port}/api/v1/status"
                 try:
+                    if paused:
+                        # its passes plan the change and carry none of it out until a person
+                        # resumes it
+                        async with asyncio.timeout(30):
+                            while True:
+                                async with http.get(status_url) as r:
+                                    status = await r.json()
+                                if status["passes"] >= 5:
+                                    break
+                                await asyncio.sleep(0.05)
+                        assert status["paused"] and status["mode"] == "act"
+                        assert weights(haproxy.api)["s1"] == (100, "ready")
+                        assert not analyzer.acks_of("r1")
+                        good = {"Authorization": f"Bearer {TOKEN}"}
+                        async with http.post(
+                            f"http://127.0.0.1:{port}/api/v1/resume", headers=good
+                        ):
+                            pass
                     # the default dwell (2 passes) and step (32): 100 -> 68 -> 60
                     async with asyncio.timeout(30):
                         while not analyzer.acks_of("r1"):
                             await asyncio.sleep(0.05)
                     assert weights(haproxy.api)["s1"] == (60, "ready")
-                    async with http.get(f"http://127.0.0.1:{port}/api/v1/status") as r:
+                    async with http.get(status_url) as r:
                         status = await r.json()
                     assert status["mode"] == "act" and status["last_pass"]["ok"]
                     assert analyzer.acks_of("r1")[0][0] == "applied"
@@ -260,9 +284,23 @@ def test_the_controller_command_acts_serves_status_and_stops_on_sigterm(tmp_path
                     err = await stop_command(process)
                 assert process.returncode == 0, err.decode()
                 assert b"acting" in err
+                if paused:
+                    assert b"paused: it plans and logs" in err
+                    decisions = [
+                        json.loads(line)["decision"]
+                        for line in (tmp_path / "audit.jsonl").read_text().splitlines()
+                    ]
+                    assert decisions.index("paused") < decisions.index("resumed")
+                    assert decisions.index("resumed") < decisions.index("applied")
 
     with held_listener() as listener:
         asyncio.run(scenario(listener))
+
+
+def test_paused_without_a_token_file_it_exits_2_saying_why(capsys) -> None:
+    argv = ["controller", "--analyzer", "http://127.0.0.1:9", "--haproxy-socket", "/nope"]
+    assert main([*argv, "--paused"]) == 2
+    assert "--paused needs --token-file" in capsys.readouterr().err
 
 
 @pytest.mark.haproxy

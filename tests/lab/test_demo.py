@@ -86,7 +86,7 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
             "lab",
             "demo",
             "--duration",
-            "25",
+            "40",
             "--build-dir",
             str(fakenvml_dir),
         ],
@@ -128,6 +128,14 @@ def test_demo_shows_the_gpus_the_verdicts_and_the_loop_fixing_the_skew(
         audit_log = run_dir / "audit.jsonl"
         lines = audit_log.read_text().splitlines() if audit_log.exists() else []
         applied = [e for e in map(json.loads, lines) if e["decision"] == "applied"]
+
+        # the controller starts paused and plans; the demo resumes it, as a person would, and
+        # it acts only after that
+        decisions = [json.loads(line)["decision"] for line in lines]
+        assert decisions[0] == "paused" and decisions.count("resumed") == 1, decisions
+        assert "applied" not in decisions[: decisions.index("resumed")], decisions
+        assert "loop · gpubalance run --act --paused: the controller plans and waits" in out
+        assert "  paused; " in out, out[:4000]
         if not applied:
             # On a machine whose other core is busy the lab's workers share it, the whole
             # server runs near full, and no peer idles for the routing within the run: the
