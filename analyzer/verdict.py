@@ -350,6 +350,7 @@ def _persist(
     persistence: int,
     enter: float,
     leave: float,
+    abandon: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Persistence and hysteresis over each GPU's windows: ``kinds``, ``candidates`` (pair
     numbers) and ``states`` (probabilities of STATES_SUMMED) are (GPU, window) grids, a
@@ -374,9 +375,13 @@ def _persist(
         change = judged & ~first & ~same
         new_state = np.maximum(candidate, 0) // len(CAUSES)
         held_state = np.maximum(held, 0) // len(CAUSES)
-        # the same state with another cause needs persistence alone
-        supports = (new_state == held_state) | (
-            (states[everyone, w, new_state] >= enter) & (states[everyone, w, held_state] < leave)
+        # the same state with another cause needs persistence alone; another state must reach
+        # enter while the held one is below leave, unless the held one is all but gone
+        held_p = states[everyone, w, held_state]
+        supports = (
+            (new_state == held_state)
+            | ((states[everyone, w, new_state] >= enter) & (held_p < leave))
+            | (held_p < abandon)
         )
         leans = change & ~supports
         counting = change & supports
@@ -648,8 +653,12 @@ class Verdicts:
 
     ``persistence_windows``: windows in a row that must agree before a GPU's state or cause
     changes. ``enter_confidence`` / ``leave_confidence``: a new state must be at least this
-    probable, the held one less than that. ``min_coverage_ratio``: the share of a window's
-    expected samples a GPU needs fresh readings for to be judged at all.
+    probable, the held one less than that. ``abandon_confidence``: a held state less probable
+    than this is left for the likeliest one even where that one falls short of
+    ``enter_confidence`` (split between the other two states): a verdict is not held at a few
+    percent for want of one clear successor (persistence still applies).
+    ``min_coverage_ratio``: the share of a window's expected samples a GPU needs fresh readings
+    for to be judged at all.
 
     The defaults are those `python bench/verdict_settings.py` found best on held-out scenario
     families: of the settings whose median detection delay is within 2 windows, the fewest
@@ -664,19 +673,22 @@ class Verdicts:
         persistence_windows: int = 2,
         enter_confidence: float = 0.6,
         leave_confidence: float = 0.3,
+        abandon_confidence: float = 0.1,
         min_coverage_ratio: float = 0.5,
     ) -> None:
         self.classifier = classifier
         self.persistence_windows = persistence_windows
         self.enter_confidence = enter_confidence
         self.leave_confidence = leave_confidence
+        self.abandon_confidence = abandon_confidence
         self.min_coverage_ratio = min_coverage_ratio
 
     def diagnose(self, table: FeatureTable) -> Diagnosis:
-        if not 0 <= self.leave_confidence <= self.enter_confidence <= 1:
+        if not 0 <= self.abandon_confidence <= self.leave_confidence <= self.enter_confidence <= 1:
             raise ValueError(
-                f"need 0 <= leave_confidence <= enter_confidence <= 1, got "
-                f"{self.leave_confidence} and {self.enter_confidence}"
+                f"need 0 <= abandon_confidence <= leave_confidence <= enter_confidence <= 1, "
+                f"got {self.abandon_confidence}, {self.leave_confidence} and "
+                f"{self.enter_confidence}"
             )
         if self.persistence_windows < 1:
             raise ValueError(f"persistence_windows must be 1 or more: {self.persistence_windows}")
@@ -737,6 +749,7 @@ class Verdicts:
             self.persistence_windows,
             self.enter_confidence,
             self.leave_confidence,
+            self.abandon_confidence,
         )
         slot_kind = np.full(grid.slots, _MISSING)
         slot_kind[present] = kind

@@ -151,6 +151,8 @@ def test_damaged_telemetry_gets_the_same_verdicts(
         {"persistence_windows": 1},
         {"persistence_windows": 3, "enter_confidence": 0.45, "leave_confidence": 0.45},
         {"min_coverage_ratio": 0.9, "enter_confidence": 0.9, "leave_confidence": 0.1},
+        {"abandon_confidence": 0.0},
+        {"abandon_confidence": 0.3, "enter_confidence": 0.9},
     ],
 )
 def test_other_settings_get_the_same_verdicts(

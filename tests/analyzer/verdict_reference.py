@@ -396,8 +396,9 @@ class Verdicts:
 
     ``persistence_windows``: windows in a row that must agree before a GPU's state or cause
     changes. ``enter_confidence`` / ``leave_confidence``: a new state must be at least this
-    probable, the held one less than that. ``min_coverage_ratio``: the share of a window's
-    expected samples a GPU needs fresh readings for to be judged at all.
+    probable, the held one less than that; one less probable than ``abandon_confidence`` is
+    left for the likeliest whatever its probability. ``min_coverage_ratio``: the share of a
+    window's expected samples a GPU needs fresh readings for to be judged at all.
     """
 
     def __init__(
@@ -406,12 +407,14 @@ class Verdicts:
         persistence_windows: int = 2,
         enter_confidence: float = 0.6,
         leave_confidence: float = 0.4,
+        abandon_confidence: float = 0.1,
         min_coverage_ratio: float = 0.5,
     ) -> None:
         self.classifier = classifier
         self.persistence_windows = persistence_windows
         self.enter_confidence = enter_confidence
         self.leave_confidence = leave_confidence
+        self.abandon_confidence = abandon_confidence
         self.min_coverage_ratio = min_coverage_ratio
 
     def diagnose(self, table: FeatureTable) -> Diagnosis:
@@ -586,7 +589,7 @@ class Verdicts:
             supports = (
                 states[new_state] >= self.enter_confidence
                 and states[held_state] < self.leave_confidence
-            )
+            ) or states[held_state] < self.abandon_confidence
         else:
             supports = True  # the same state with another cause: persistence alone
         if not supports:
