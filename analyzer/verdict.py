@@ -385,10 +385,13 @@ def _persist(
         )
         leans = change & ~supports
         counting = change & supports
-        # a change of state counts its windows whatever cause each gives, and takes the latest
+        # a change of state counts its windows whatever cause each gives, and takes the latest;
+        # leaving a state all but gone counts them whatever state each gives
         pending_state = np.maximum(pending, 0) // len(CAUSES)
         continues = (pending == candidate) | (
-            (pending != _NO_PAIR) & (new_state != held_state) & (pending_state == new_state)
+            (pending != _NO_PAIR)
+            & (new_state != held_state)
+            & ((pending_state == new_state) | (held_p < abandon))
         )
         counted = np.where(counting, np.where(continues, counted + 1, 1), counted)
         pending = np.where(counting, candidate, pending)

@@ -134,13 +134,19 @@ def test_hysteresis_pairs_hold_a_state_inside_the_band() -> None:
 
 
 class _Split:
-    """Starved at first (0.9); from the third window on starved 0.04 and the rest split 0.50 /
-    0.46 between balanced and overloaded: no successor reaches the entering bar."""
+    """Starved at first (0.9); from the third window on starved 0.04 and the rest split
+    between balanced and overloaded: no successor reaches the entering bar. ``alternate``: the
+    likelier of the two changes every window."""
 
     classes_ = np.array(["balanced/none", "overloaded/routing_skew", "starved/routing_skew"])
 
+    def __init__(self, alternate: bool = False) -> None:
+        self.alternate = alternate
+
     def predict_proba(self, table: FeatureTable) -> np.ndarray:
         out = np.tile([0.50, 0.46, 0.04], (len(table.frames), 1))
+        if self.alternate:
+            out[1::2] = [0.46, 0.50, 0.04]
         out[:2] = [0.05, 0.05, 0.90]
         return out
 
@@ -152,6 +158,10 @@ def test_a_held_state_all_but_gone_is_left_for_the_likeliest() -> None:
     verdicts = Verdicts(_Split()).diagnose(table).verdicts
     assert _states(verdicts) == ["starved"] * 3 + ["balanced"] * 3
     assert "1 of 2 windows to change" in " ".join(verdicts[2].evidence)
+    # the two others taking turns as the likelier: the windows that leave it count together,
+    # the latest names the state, and the hysteresis holds that one
+    turns = Verdicts(_Split(alternate=True)).diagnose(table).verdicts
+    assert _states(turns) == ["starved"] * 3 + ["overloaded"] * 3
     # without the abandon bar the hysteresis holds it for good
     held = Verdicts(_Split(), abandon_confidence=0.0).diagnose(table).verdicts
     assert _states(held) == ["starved"] * 6

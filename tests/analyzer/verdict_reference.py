@@ -599,9 +599,12 @@ class Verdicts:
                 f"{self.enter_confidence:.2f} to enter it while {held_state} holds "
                 f"({states[held_state]:.2f}, leaves below {self.leave_confidence:.2f})"
             )
-        # a change of state counts its windows whatever cause each gives, and takes the latest
+        # a change of state counts its windows whatever cause each gives, and takes the latest;
+        # leaving a state all but gone counts them whatever state each gives
         if track.pending == candidate or (
-            track.pending is not None and new_state != held_state and track.pending[0] == new_state
+            track.pending is not None
+            and new_state != held_state
+            and (track.pending[0] == new_state or states[held_state] < self.abandon_confidence)
         ):
             track.pending, track.pending_windows = candidate, track.pending_windows + 1
         else:
