@@ -194,10 +194,14 @@ class Recommender:
         # model's recent windows): a class that comes now and then on every GPU is shared, one
         # a split sent elsewhere is gone from them within those windows
         served: dict[tuple[str, int], list[tuple[str, ...]]] = {}
-        for frame in sorted(table.frames, key=lambda f: f.t_start):
+        # whether each GPU's feeding process was pinned at its threads in its latest frame
+        pinned: dict[tuple[str, int], bool] = {}
+        readings = zip(table.frames, table.column("feeder_cpu_pinned").tolist(), strict=True)
+        for frame, pinned_ratio in sorted(readings, key=lambda fr: fr[0].t_start):
             if frame.workers:
                 workers[(frame.host, frame.gpu)] = frame.workers
             served.setdefault((frame.host, frame.gpu), []).append(frame.service_classes)
+            pinned[(frame.host, frame.gpu)] = pinned_ratio >= PINNED_FEEDER
         classes = {
             key: tuple(sorted({c for seen in kept[-model.recent_windows :] for c in seen}))
             for key, kept in served.items()
@@ -225,6 +229,7 @@ class Recommender:
                 classes,
                 table,
                 {g: t for (h, g), t in lost_until.items() if h == host},
+                {g for (h, g), p in pinned.items() if h == host and p},
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
@@ -371,19 +376,6 @@ def _reshaped(table: FeatureTable, host: str, windows: int) -> set[str]:
     return {p for p in pools if len({frozenset(w.get(p, set())) for w in recent}) > 1}
 
 
-def _pinned(table: FeatureTable, host: str, gpus: set[int]) -> set[int]:
-    """Of ``gpus``, those whose feeding process was pinned at its threads in their latest
-    window."""
-    latest: dict[int, int] = {}
-    for i, frame in enumerate(table.frames):
-        if frame.host != host or frame.gpu not in gpus:
-            continue
-        if frame.gpu not in latest or frame.t_start >= table.frames[latest[frame.gpu]].t_start:
-            latest[frame.gpu] = i
-    pinned = table.column("feeder_cpu_pinned")
-    return {g for g, i in latest.items() if pinned[i] >= PINNED_FEEDER}
-
-
 def _is_lost(verdict: Verdict) -> bool:
     """The GPU fell off the bus."""
     return verdict.state == "unknown" and verdict.unknown_reason == "GPU lost"
@@ -432,6 +424,7 @@ class _Pool:
         classes: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
         table: FeatureTable | None = None,
         lost_until: Mapping[int, float] | None = None,
+        pinned: Iterable[int] = (),
     ) -> None:
         self.r = recommender
         # per GPU that was lost long enough to be drained, when it last was
@@ -461,7 +454,8 @@ class _Pool:
         self.rho_now = model.rho(host, pool)
         self.measured = {g for g, c in self.gpus.items() if c.measured}
         self.iwq_now = self._idle_while_queued(self.rho_now)
-        self.pinned = _pinned(table, host, set(self.gpus)) if table is not None else set()
+        # the GPUs whose feeding process was pinned at its threads in their latest frame
+        self.pinned = set(pinned) & set(self.gpus)
 
     def recommendations(self) -> list[Recommendation]:
         out: list[Recommendation] = []
