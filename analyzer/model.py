@@ -33,6 +33,12 @@ FORMAT = "gpubalance.analyzer.model/v2"
 # the model gpubalance ships, trained on the lab's generated families by `make model`; the
 # analyzer's default classifier (its report, beside it, says on what and how well)
 SHIPPED = Path(__file__).parent / "models" / "default.skops"
+# rows the trees walk at a time (see GpuStateClassifier._learned_proba)
+BLOCK_ROWS = 2048
+# below this probability a state's causes are not asked of their trees: the likeliest of the
+# three states has at least a third, and the likeliest label at least a third over a state's
+# causes (six at most), well above a share of this spread over them
+NEGLIGIBLE_STATE = 0.01
 
 
 class ModelError(Exception):
@@ -133,19 +139,37 @@ class GpuStateClassifier:
         return causes.apply(learned, self.classes_, table) if self.named_causes else learned
 
     def _learned_proba(self, table: FeatureTable) -> np.ndarray:
+        out = np.empty((len(table.frames), len(self.classes_)))
+        # a block of rows at a time: each tree walks a block that stays in the cache, where a
+        # table of 160,000 rows (80 MB) read from memory by every tree made the shipped model's
+        # trees three times slower (30 CPU seconds against 9 on one core)
+        for start in range(0, len(out), BLOCK_ROWS):
+            block = table.values[start : start + BLOCK_ROWS]
+            out[start : start + len(block)] = self._block_proba(block)
+        return out
+
+    def _block_proba(self, values: np.ndarray) -> np.ndarray:
         if not self.hierarchy:
-            return self.estimator_.predict_proba(table.values)
+            return self.estimator_.predict_proba(values)
         column = {label: i for i, label in enumerate(self.classes_)}
-        out = np.zeros((len(table.frames), len(self.classes_)))
-        states = self.estimator_.predict_proba(table.values)
+        out = np.zeros((len(values), len(self.classes_)))
+        states = self.estimator_.predict_proba(values)
         for j, state in enumerate(self.estimator_.classes_):
             p_state = states[:, j]
             if state in self.only_cause_:
                 out[:, column[self.only_cause_[state]]] += p_state
                 continue
             cause = self.cause_estimators_[state]
-            for k, label in enumerate(cause.predict_proba(table.values).T):
-                out[:, column[cause.classes_[k]]] += p_state * label
+            mine = [column[label] for label in cause.classes_]
+            # a state this unlikely is not the row's likeliest, whose causes are all a verdict
+            # reads, and none of its labels can be the likeliest label: its share is spread
+            # evenly over its causes rather than asked of their trees (about half the work)
+            asked = p_state >= NEGLIGIBLE_STATE
+            spread = ~asked
+            out[np.ix_(spread, mine)] = (p_state[spread] / len(mine))[:, None]
+            if asked.any():
+                given = cause.predict_proba(values[asked])
+                out[np.ix_(asked, mine)] = p_state[asked, None] * given
         return out
 
     def predict(self, table: FeatureTable) -> np.ndarray:

@@ -14,13 +14,15 @@ text, one lab run per host in turn, relabelled per host (``instance``, ``job``, 
 
 The diagnosis is what ``gpubalance diagnose --from URL --fleet`` does with a Prometheus
 (:func:`diagnose`): the Prometheus source's range queries, their parsing and the frames, the
-features, and the verdicts with the CLI's default classifier (the queue + utilization rule),
-timed per stage, for the latest window and for the source's default range, median of repeated
-runs, on one pinned core. The verdicts are checked against the states the lab's ground truth
-planted. Results: bench/RESULTS.md ("analyzer-scale") and bench/analyzer.png.
+features, and the verdicts with the CLI's default classifier (the model gpubalance ships,
+loaded from its file as each `gpubalance diagnose` process loads it; ``--classifier
+baseline-queue`` for the queue + utilization rule), timed per stage, for the latest window
+and for the source's default range, median of repeated runs, on one pinned core. The
+verdicts are checked against the states the lab's ground truth planted. Results:
+bench/RESULTS.md ("analyzer-scale") and bench/analyzer.png.
 
     python bench/analyzer.py [--hosts 1000] [--minutes 12] [--scrape 15] [--repeats 3]
-                             [--keep DIR]
+                             [--keep DIR] [--classifier model|baseline-queue]
 """
 
 from __future__ import annotations
@@ -60,7 +62,15 @@ T0 = 1_750_000_020.0
 GOAL_SECONDS = 5.0
 GOAL_GPU_WINDOWS_PER_SECOND = 10_000.0
 UUID_HEAD = re.compile(r'uuid="GPU-[0-9a-f]{8}')
-STAGES = ("query", "parse", "frames", "features", "verdicts")
+STAGES = ("model", "query", "parse", "frames", "features", "verdicts")
+# --classifier: the CLI's default, or the rule (nothing to load)
+CLASSIFIER_NAMES = {
+    "model": "the default, the model gpubalance ships, its file read (stage `model`) as each "
+    "command reads it",
+    "baseline-queue": "the queue + utilization rule (`--classifier baseline-queue`), nothing "
+    "to read",
+}
+CLASSIFIERS = tuple(CLASSIFIER_NAMES)
 
 sys.path.insert(0, str(BENCH))
 from results import machine, progress, write_section  # noqa: E402
@@ -287,30 +297,37 @@ class Timed:
     gpu_windows: int
     verdicts: Sequence[Any]
     fleet: Sequence[Any]
+    # of the verdicts' CPU seconds, the classifier's predictions
+    classifier_cpu_seconds: float = 0.0
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
 
 
-def diagnose(server: Prometheus, start: float, end: float) -> Timed:
+def diagnose(server: Prometheus, start: float, end: float, classifier: str = "model") -> Timed:
     """``gpubalance diagnose --from URL --fleet`` on a Prometheus, stage by stage."""
     # the earlier diagnoses' verdicts, kept for the sanity check, out of the collector's
     # sight: a `gpubalance diagnose` process has none, and each collection the next diagnosis
     # triggers would scan them (10^6 objects after a 20-window range)
     gc.freeze()
     try:
-        return _diagnose(server, start, end)
+        return _diagnose(server, start, end, classifier)
     finally:
         gc.unfreeze()
 
 
-def _diagnose(server: Prometheus, start: float, end: float) -> Timed:
+def _diagnose(server: Prometheus, start: float, end: float, classifier: str) -> Timed:
     from gpubalance.analyzer.baselines import QueueUtilization
     from gpubalance.analyzer.features import FeatureBuilder
+    from gpubalance.analyzer.model import load_shipped
     from gpubalance.analyzer.sources import open_source
-    from gpubalance.analyzer.verdict import Verdicts
+    from gpubalance.analyzer.verdict import Classifier, Verdicts
 
+    # the model's file read and rebuilt, as each `gpubalance diagnose` process does first
+    began, cpu = time.perf_counter(), time.process_time()
+    judge: Classifier = load_shipped() if classifier == "model" else QueueUtilization()
+    loaded, load_cpu = time.perf_counter() - began, time.process_time() - cpu
     began, cpu, served = time.perf_counter(), time.process_time(), server.cpu_seconds()
     source = open_source(server.url, timeout=120.0)
     frames = source.frames(start, end, WINDOW_SECONDS)
@@ -320,16 +337,39 @@ def _diagnose(server: Prometheus, start: float, end: float) -> Timed:
     seconds["query"] = seconds.get("query", 0.0) + (fetched - began) - sum(seconds.values())
     table = FeatureBuilder().transform(frames)
     featured, feature_cpu = time.perf_counter(), time.process_time()
-    diagnosis = Verdicts(QueueUtilization().fit(table)).diagnose(table)
+    if isinstance(judge, QueueUtilization):
+        judge.fit(table)  # the rule learns nothing; fit only sets its classes
+    watched = _Stopwatch(judge)
+    diagnosis = Verdicts(watched).diagnose(table)
     seconds["features"] = featured - fetched
     seconds["verdicts"] = time.perf_counter() - featured
+    seconds["model"] = loaded
     cpu_seconds = {
+        "model": load_cpu,
         "source": fetch_cpu - cpu,
         "features": feature_cpu - fetch_cpu,
         "verdicts": time.process_time() - feature_cpu,
         "prometheus": server.cpu_seconds() - served,
     }
-    return Timed(seconds, cpu_seconds, len(frames), diagnosis.verdicts, diagnosis.fleet)
+    return Timed(
+        seconds, cpu_seconds, len(frames), diagnosis.verdicts, diagnosis.fleet, watched.seconds
+    )
+
+
+class _Stopwatch:
+    """A classifier and the CPU seconds its predictions took (a share of the verdicts')."""
+
+    def __init__(self, classifier: Any) -> None:
+        self.classifier = classifier
+        self.classes_ = classifier.classes_
+        self.seconds = 0.0
+
+    def predict_proba(self, table: Any) -> Any:
+        began = time.process_time()
+        try:
+            return self.classifier.predict_proba(table)
+        finally:
+            self.seconds += time.process_time() - began
 
 
 def service_cycle(server: Prometheus, start: float, end: float) -> dict[str, float]:
@@ -414,6 +454,12 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=20, help="windows of the long range")
     parser.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: last)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the TSDB in this folder")
+    parser.add_argument(
+        "--classifier",
+        choices=CLASSIFIERS,
+        default="model",
+        help="the verdicts' classifier (default: the shipped model, as `gpubalance diagnose`)",
+    )
     args = parser.parse_args()
     if not (shutil.which("promtool") and shutil.which("prometheus")):
         print("bench/analyzer.py needs promtool and prometheus: apt-get install prometheus")
@@ -445,11 +491,12 @@ def main() -> int:
             f"{args.windows} windows": end - args.windows * WINDOW_SECONDS,
         }
         results: dict[str, list[Timed]] = {name: [] for name in ranges}
-        diagnose(server, end - WINDOW_SECONDS, end)  # warm: Prometheus' page cache, imports
+        # warm: Prometheus' page cache, imports
+        diagnose(server, end - WINDOW_SECONDS, end, args.classifier)
         with progress("diagnoses", args.repeats * len(ranges)) as advance:
             for _ in range(args.repeats):
                 for name, start in ranges.items():
-                    results[name].append(diagnose(server, start, end))
+                    results[name].append(diagnose(server, start, end, args.classifier))
                     advance()
         context["cycle"] = service_cycle(server, end - args.windows * WINDOW_SECONDS, end)
         context["queries"] = query_costs(server, end)
@@ -487,7 +534,8 @@ def report(
         "(`sched_setaffinity`, `OMP_NUM_THREADS=1`), Prometheus "
         f"{_prometheus_version()} on any CPU; `python bench/analyzer.py --hosts {args.hosts} "
         f"--minutes {args.minutes:g} --scrape {args.scrape:g} --seeds {args.seeds} --repeats "
-        f"{args.repeats} --windows {args.windows}`.",
+        f"{args.repeats} --windows {args.windows}"
+        + (f" --classifier {args.classifier}`." if args.classifier != "model" else "`."),
         "",
         f"The fleet: {args.hosts} hosts x 8 RTX 4090 (exporter's native names and labels, "
         f"rendered by the exporter's own exposition over {context['runs']} fast-speed lab runs, "
@@ -508,13 +556,14 @@ def report(
     lines += [
         "",
         "Fleet diagnosis: what `gpubalance diagnose --from PROMETHEUS --fleet` does "
-        "(`open_source`, the source's range queries, their parsing, frames, features, verdicts "
-        f"with the default classifier `baseline-queue`), median of {args.repeats} runs, wall "
-        "seconds per stage; CPU seconds of the analyzer's process and of Prometheus beside.",
+        f"(its classifier: {CLASSIFIER_NAMES[args.classifier]}; `open_source`, the source's "
+        "range queries, their parsing, frames, features, verdicts), median of "
+        f"{args.repeats} runs, wall seconds per stage; CPU seconds of the analyzer's process "
+        "and of Prometheus beside.",
         "",
-        "| range | GPU-windows | query | parse | frames | features | verdicts | **total** "
+        "| range | GPU-windows | " + " | ".join(STAGES) + " | **total** "
         "| analyzer CPU | Prometheus CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|",
     ]
     for name, timed in results.items():
         stage = {s: _median([t.seconds[s] for t in timed]) for s in STAGES}
@@ -595,7 +644,7 @@ def _where_the_time_goes(
 
     cpu = {k: _median([t.cpu_seconds[k] for t in latest]) for k in latest[0].cpu_seconds}
     long_cpu = {k: _median([t.cpu_seconds[k] for t in long]) for k in long[0].cpu_seconds}
-    analyzer = cpu["source"] + cpu["features"] + cpu["verdicts"]
+    analyzer = cpu["model"] + cpu["source"] + cpu["features"] + cpu["verdicts"]
     costs = dict(context["queries"])
     per_cpu = costs.pop("per-CPU modes")
     families = {
@@ -610,7 +659,8 @@ def _where_the_time_goes(
     cycle = context["cycle"]
     return (
         f"Where the time goes (latest window, CPU seconds): Prometheus {cpu['prometheus']:.2f} "
-        f"and the analyzer {analyzer:.2f} (source: parse and frames {cpu['source']:.2f}, "
+        f"and the analyzer {analyzer:.2f} (the classifier's file read {cpu['model']:.2f}, "
+        f"source: parse and frames {cpu['source']:.2f}, "
         f"features {cpu['features']:.2f}, verdicts {cpu['verdicts']:.2f}). The wall times are "
         "those CPU seconds on two cores that Prometheus and the analyzer share"
         + (" with the machine's other load" if context["load"][0] >= BUSY_LOAD else "")
@@ -624,13 +674,8 @@ def _where_the_time_goes(
         f"cost {per_cpu:.2f} against {exporter_sum:.2f}"
         + f". Over the {context['args'].windows}-window range the analyzer's CPU seconds are "
         f"source {long_cpu['source']:.2f}, features {long_cpu['features']:.2f} and verdicts "
-        f"{long_cpu['verdicts']:.2f}"
-        + (
-            " (the verdicts, their evidence sentences written row by row, are the largest share)"
-            if long_cpu["verdicts"] > max(long_cpu["source"], long_cpu["features"])
-            else ""
-        )
-        + ". In the "
+        f"{long_cpu['verdicts']:.2f}, of which the classifier's predictions "
+        f"{_median([t.classifier_cpu_seconds for t in long]):.2f}. In the "
         f"service (`gpubalance analyzer`) a cycle's features over the {context['args'].windows}"
         f"-window lookback ({cycle['gpu_windows']} GPU-windows) cost {cycle['cycle']:.2f} CPU "
         f"seconds built as it builds them (the windows the last cycle had not made final, on the "

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from gpubalance.analyzer import model
+from gpubalance.analyzer import causes, model
+from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.model import GpuStateClassifier, ModelError
 from gpubalance.analyzer.train import Dataset, Example, build_dataset, cross_validate, scores
+from gpubalance.analyzer.verdict import Verdicts
 from gpubalance.lab import scenario
 
 NAMES = ("skewed-heterogeneous", "balanced-4x4090", "overprovisioned-fleet")
@@ -158,3 +160,57 @@ def test_the_state_is_judged_first_then_the_cause_given_it(dataset: Dataset) -> 
     for j, state in enumerate(fitted.estimator_.classes_):
         mine = [i for i, label in enumerate(fitted.classes_) if label.startswith(state + "/")]
         assert np.allclose(proba[:, mine].sum(axis=1), states[:, j])
+
+
+def test_a_state_too_unlikely_to_be_judged_is_not_asked_its_causes(dataset: Dataset) -> None:
+    # sure enough of its states (the defaults, leaves of a few windows) for some to be negligible
+    fitted = GpuStateClassifier(min_samples_leaf=5, named_causes=False).fit(
+        dataset.table, dataset.labels
+    )
+    proba = fitted.predict_proba(dataset.table)
+    values = dataset.table.values
+    states = fitted.estimator_.predict_proba(values)
+    asked = 0
+    for state, cause in fitted.cause_estimators_.items():
+        p_state = states[:, list(fitted.estimator_.classes_).index(state)]
+        mine = [list(fitted.classes_).index(label) for label in cause.classes_]
+        every = p_state[:, None] * cause.predict_proba(values)
+        likely = p_state >= model.NEGLIGIBLE_STATE
+        assert np.allclose(proba[np.ix_(likely, mine)], every[likely])
+        assert np.allclose(proba[np.ix_(~likely, mine)], (p_state[~likely] / len(mine))[:, None])
+        assert (np.abs(proba[:, mine] - every) <= model.NEGLIGIBLE_STATE).all()
+        asked += int(likely.sum())
+    assert 0 < asked < len(values) * len(fitted.cause_estimators_)
+
+
+class _EveryCauseAsked:
+    """The shipped model with every state's causes asked of their trees on every row."""
+
+    def __init__(self, fitted: GpuStateClassifier) -> None:
+        self.fitted = fitted
+        self.classes_ = fitted.classes_
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        fitted = self.fitted
+        out = np.zeros((len(table.frames), len(fitted.classes_)))
+        states = fitted.estimator_.predict_proba(table.values)
+        for j, state in enumerate(fitted.estimator_.classes_):
+            labels = [fitted.only_cause_[state]] if state in fitted.only_cause_ else None
+            cause = fitted.cause_estimators_.get(state)
+            given = np.ones((len(out), 1)) if cause is None else cause.predict_proba(table.values)
+            for k, label in enumerate(labels or cause.classes_):
+                out[:, list(fitted.classes_).index(label)] = states[:, j] * given[:, k]
+        return causes.apply(out, fitted.classes_, table)
+
+
+def test_the_verdicts_and_labels_are_those_of_every_cause_asked(dataset: Dataset) -> None:
+    shipped = model.load_shipped()
+    # more rows than a block, so that the blocks' seams are crossed too
+    table = dataset.table
+    while len(table.frames) <= 2 * model.BLOCK_ROWS:
+        table = FeatureTable(table.frames * 2, np.vstack([table.values, table.values]))
+    every = _EveryCauseAsked(shipped)
+    ours, theirs = shipped.predict_proba(table), every.predict_proba(table)
+    assert np.array_equal(ours.argmax(axis=1), theirs.argmax(axis=1))
+    assert np.abs(ours - theirs).max() <= model.NEGLIGIBLE_STATE
+    assert Verdicts(shipped).diagnose(dataset.table) == Verdicts(every).diagnose(dataset.table)
