@@ -46,9 +46,10 @@ import numpy as np
 
 from gpubalance.analyzer.features import (
     QUEUED_BATCHES,
+    BatchTimeFit,
     FeatureTable,
     batch_reach,
-    full_batch_cost,
+    batch_time_fit,
 )
 from gpubalance.analyzer.frames import GpuFrame
 
@@ -242,6 +243,12 @@ class CapacityModel:
                 t_end=frame.t_end,
                 queue_depth=frame.queue_depth_mean if _live(frame) else None,
             )
+        # each pool's GPUs by index, for pool(): a fleet asks it per pool
+        self.pools_: dict[tuple[str, str], list[GpuCapacity]] = {}
+        for gpu in self.gpus_.values():
+            self.pools_.setdefault((gpu.host, gpu.pool), []).append(gpu)
+        for members in self.pools_.values():
+            members.sort(key=lambda g: g.gpu)
         return self
 
     def _capacity(
@@ -291,10 +298,7 @@ class CapacityModel:
 
     def pool(self, host: str, pool: str) -> list[GpuCapacity]:
         """The GPUs of one pool, by index."""
-        return sorted(
-            (g for g in self.gpus_.values() if g.host == host and g.pool == pool),
-            key=lambda g: g.gpu,
-        )
+        return list(self.pools_.get((host, pool), []))
 
     def rho(self, host: str, pool: str) -> dict[int, float]:
         """ρ now of each GPU of the pool whose ρ the telemetry gives (an upper bound where its
@@ -402,6 +406,18 @@ class _BatchLines:
         self.points = {k: np.array(v, dtype=float) for k, v in points.items()}
         self.tokens = {k: (v[1] / v[0], v[2] / v[0]) for k, v in tokens.items() if v[0] > 0}
         self.pools = pools
+        self._fits: dict[tuple[str, str, str | None], BatchTimeFit] = {}
+
+    def fit(self, line: tuple[str, str, str | None]) -> BatchTimeFit:
+        """The power law through the line's points (:func:`full_batch_cost`'s), fitted once."""
+        fitted = self._fits.get(line)
+        if fitted is None:
+            prompt, generated = self.tokens.get(line, (math.nan, math.nan))
+            fitted = batch_time_fit(
+                self.points[line][None], np.full(1, prompt), np.full(1, generated)
+            )
+            self._fits[line] = fitted
+        return fitted
 
     def spread(self, frame: GpuFrame) -> bool:
         """Whether the batch sizes of the GPU's card in its pool spread enough for its batch
@@ -435,13 +451,7 @@ class _BatchLines:
         )
         if reach <= size:
             return served
-        prompt, generated = self.tokens.get((*pool, frame.card), (math.nan, math.nan))
-        cost = full_batch_cost(
-            np.stack([points, points]),
-            np.array([size, reach]),
-            np.full(2, prompt),
-            np.full(2, generated),
-        )
+        cost = self.fit((*pool, frame.card)).cost(np.array([size, reach]))
         if not np.isfinite(cost).all() or cost[1] <= 0:
             return served
         return served * max(1.0, float(cost[0] / cost[1]))
@@ -475,11 +485,14 @@ def offered_rate(frame: GpuFrame) -> float | None:
     return max(0.0, rate)
 
 
+_FRAME_FIELDS = tuple(f.name for f in dataclasses.fields(GpuFrame))
+
+
 def _finite(frame: GpuFrame) -> GpuFrame:
     bad = {
-        f.name: None
-        for f in dataclasses.fields(frame)
-        if isinstance(value := getattr(frame, f.name), float) and not math.isfinite(value)
+        name: None
+        for name in _FRAME_FIELDS
+        if isinstance(value := getattr(frame, name), float) and not math.isfinite(value)
     }
     return dataclasses.replace(frame, **bad) if bad else frame
 

@@ -132,6 +132,13 @@ class FeatureTable:
     def row(self, index: int) -> dict[str, float]:
         return dict(zip(self.columns, self.values[index].tolist(), strict=True))
 
+    def take(self, rows: Sequence[int] | np.ndarray) -> FeatureTable:
+        """The table of these rows, in this order."""
+        index = np.asarray(rows, dtype=np.intp)
+        return FeatureTable(
+            tuple(self.frames[i] for i in index.tolist()), self.values[index], self.columns
+        )
+
 
 # the frame fields the features read, as float64 columns (None: NaN)
 _FIELDS: tuple[str, ...] = (

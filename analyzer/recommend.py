@@ -208,12 +208,25 @@ class Recommender:
         }
         out: list[Recommendation] = []
         by_host: dict[str, list[_Pool]] = {}
+        # each host's rows, split once: what follows reads one host at a time, and a fleet's
+        # table read whole per host or pool costs its size times the hosts
+        rows: dict[str, list[int]] = {}
+        for i, frame in enumerate(table.frames):
+            rows.setdefault(frame.host, []).append(i)
+        tables = {host: table.take(rows[host]) for host in {host for host, _ in pools}}
+        lost_on: dict[str, dict[int, float]] = {}
+        for (host, gpu), until in lost_until.items():
+            lost_on.setdefault(host, {})[gpu] = until
+        pinned_on: dict[str, set[int]] = {}
+        for (host, gpu), is_pinned in pinned.items():
+            if is_pinned:
+                pinned_on.setdefault(host, set()).add(gpu)
         # a pool a GPU joined or left within the persistence windows and one more: its verdicts
         # span the change (a moved GPU's model load, when it serves nothing by design), so it
         # gets no recommendation until its new shape has held that long
         reshaped = {
-            host: _reshaped(table, host, self.persistence_windows + 1)
-            for host in {host for host, _ in pools}
+            host: _reshaped(mine, host, self.persistence_windows + 1)
+            for host, mine in tables.items()
         }
         for (host, pool), members in sorted(pools.items()):
             context = _Pool(
@@ -225,17 +238,17 @@ class Recommender:
                 fleet.get((host, pool)),
                 now_seconds,
                 workers,
-                _busiest(table, host, pool, self.scale_in_windows),
+                _busiest(tables[host], host, pool, self.scale_in_windows),
                 classes,
-                table,
-                {g: t for (h, g), t in lost_until.items() if h == host},
-                {g for (h, g), p in pinned.items() if h == host and p},
+                tables[host],
+                lost_on.get(host, {}),
+                pinned_on.get(host, set()),
             )
             if pool not in reshaped[host]:
                 out += context.recommendations()
             by_host.setdefault(host, []).append(context)
         for host, contexts in by_host.items():
-            move = self._move(contexts, table, reshaped[host])
+            move = self._move(contexts, tables[host], reshaped[host])
             if move is not None:
                 # the quiet pool's GPU is wanted by a busy pool of its host: moved, not removed
                 giver = move.parameters["pool"]

@@ -299,7 +299,7 @@ class AnalyzerService:
         parts = [stream.add(frames)]
         if kept is not None:
             rows = [i for i, f in enumerate(kept.frames) if first <= f.t_start <= final]
-            parts.insert(0, FeatureTable(tuple(kept.frames[i] for i in rows), kept.values[rows]))
+            parts.insert(0, kept.take(rows))
         self._stream, self._table = stream, concatenate(parts)
         return self._table
 

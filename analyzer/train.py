@@ -57,7 +57,7 @@ class Dataset:
     def subset(self, mask: np.ndarray) -> Dataset:
         index = np.flatnonzero(mask)
         return Dataset(
-            FeatureTable(tuple(self.table.frames[i] for i in index), self.table.values[index]),
+            self.table.take(index),
             tuple(self.labels[i] for i in index),
             tuple(self.groups[i] for i in index),
             tuple(self.runs[i] for i in index),
@@ -142,7 +142,7 @@ def build_dataset(
         for example, (table, row_labels, row_rho) in zip(examples, results, strict=True):
             keep = np.array([bool(label) for label in row_labels], dtype=bool)
             index = np.flatnonzero(keep)
-            tables.append(FeatureTable(tuple(table.frames[i] for i in index), table.values[index]))
+            tables.append(table.take(index))
             labels += [row_labels[i] for i in index]
             groups += [example.family] * len(index)
             runs += [example.name] * len(index)

@@ -372,13 +372,19 @@ class _Stopwatch:
             self.seconds += time.process_time() - began
 
 
-def service_cycle(server: Prometheus, start: float, end: float) -> dict[str, float]:
-    """What the features cost ``gpubalance analyzer`` per cycle over the lookback, in CPU
-    seconds (median of 3): rebuilt whole, and as the service builds them, the windows the
-    last cycle had not made final on the history it kept (the one before the newest, made
-    final now, and the newest)."""
+def service_cycle(
+    server: Prometheus, start: float, end: float, classifier: str = "model"
+) -> dict[str, float]:
+    """What ``gpubalance analyzer`` pays per cycle over the lookback, in CPU seconds (median of
+    3): the features rebuilt whole, and as the service builds them (the windows the last
+    cycle had not made final on the history it kept: the one before the newest, made final
+    now, and the newest); and the recommendations over the lookback's verdicts."""
+    from gpubalance.analyzer.baselines import QueueUtilization
     from gpubalance.analyzer.features import FeatureBuilder, FeatureStream
+    from gpubalance.analyzer.model import load_shipped
+    from gpubalance.analyzer.recommend import Recommender
     from gpubalance.analyzer.sources import open_source
+    from gpubalance.analyzer.verdict import Verdicts
 
     frames = open_source(server.url, timeout=120.0).frames(start, end, WINDOW_SECONDS)
     newest = max(f.t_start for f in frames)
@@ -386,14 +392,27 @@ def service_cycle(server: Prometheus, start: float, end: float) -> dict[str, flo
     whole, cycle = [], []
     for _ in range(3):
         began = time.process_time()
-        FeatureBuilder().transform(frames)
+        table = FeatureBuilder().transform(frames)
         whole.append(time.process_time() - began)
         stream = FeatureStream()
         stream.add(earlier)  # the cycle before
         began = time.process_time()
         stream.add(frames)
         cycle.append(time.process_time() - began)
-    return {"whole": _median(whole), "cycle": _median(cycle), "gpu_windows": len(frames)}
+    judge = load_shipped() if classifier == "model" else QueueUtilization().fit(table)
+    diagnosis = Verdicts(judge).diagnose(table)
+    recommend, made = [], 0
+    for _ in range(3):
+        began = time.process_time()
+        made = len(Recommender().recommend(diagnosis, table, end))
+        recommend.append(time.process_time() - began)
+    return {
+        "whole": _median(whole),
+        "cycle": _median(cycle),
+        "gpu_windows": len(frames),
+        "recommend": _median(recommend),
+        "recommendations": made,
+    }
 
 
 # the host CPU figures as the source read them before the exporter summed them over the CPUs:
@@ -498,7 +517,9 @@ def main() -> int:
                 for name, start in ranges.items():
                     results[name].append(diagnose(server, start, end, args.classifier))
                     advance()
-        context["cycle"] = service_cycle(server, end - args.windows * WINDOW_SECONDS, end)
+        context["cycle"] = service_cycle(
+            server, end - args.windows * WINDOW_SECONDS, end, args.classifier
+        )
         context["queries"] = query_costs(server, end)
     context["load"] = (load_before, os.getloadavg()[0])
     return 0 if report(context, results, runs) else 1
@@ -679,7 +700,9 @@ def _where_the_time_goes(
         f"service (`gpubalance analyzer`) a cycle's features over the {context['args'].windows}"
         f"-window lookback ({cycle['gpu_windows']} GPU-windows) cost {cycle['cycle']:.2f} CPU "
         f"seconds built as it builds them (the windows the last cycle had not made final, on the "
-        f"history it kept) against {cycle['whole']:.2f} rebuilt whole."
+        f"history it kept) against {cycle['whole']:.2f} rebuilt whole; its recommendations "
+        f"over that lookback's verdicts ({cycle['recommendations']} made) cost "
+        f"{cycle['recommend']:.2f}."
     )
 
 

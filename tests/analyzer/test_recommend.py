@@ -725,3 +725,26 @@ def test_a_lull_between_peaks_is_not_scaled_in(tmp_path: Path) -> None:
         )
     rates = [offered[t] for t in sorted(offered)]
     assert rates[-1] > 2 * max(rates[-3:-1])
+
+
+def test_each_host_of_a_fleet_gets_what_it_would_alone() -> None:
+    # two hosts in one table, as a fleet read from Prometheus comes: the recommender reads it
+    # one host at a time, and each host's recommendations are those of its rows alone
+    frames = [dataclasses.replace(f, host="a") for f in _two_pools(4)] + [
+        dataclasses.replace(f, host="b") for f in _two_pools(4, quiet_rate=3.0)
+    ]
+    table = FeatureBuilder().transform(frames)
+
+    def recommend(part: FeatureTable) -> tuple[Recommendation, ...]:
+        diagnosis = Verdicts(_Labels(LABELS)).diagnose(part)
+        return Recommender().recommend(diagnosis, part, frames[-1].t_end)
+
+    together = recommend(table)
+    alone = [
+        r
+        for host in ("b", "a")
+        for r in recommend(table.take([i for i, f in enumerate(table.frames) if f.host == host]))
+    ]
+    assert {r.host for r in together} == {"a", "b"}
+    assert {r.action for r in together} >= {"move_worker"}
+    assert list(together) == sorted(alone, key=lambda r: (r.cost_rank, r.host, r.target, r.id))

@@ -52,6 +52,9 @@ def test_a_backfilled_fleet_is_diagnosed_as_the_lab_planted_it(tmp_path: Path) -
     end = bench.T0 + SECONDS
     with bench.prometheus(tmp_path / "tsdb") as server:
         timed = bench.diagnose(server, end - WINDOWS * bench.WINDOW_SECONDS, end)
+        cycle = bench.service_cycle(server, end - WINDOWS * bench.WINDOW_SECONDS, end)
+    # the skewed host's pool is re-weighted, at least
+    assert cycle["gpu_windows"] == HOSTS * 8 * WINDOWS and cycle["recommendations"] >= 1
     assert timed.gpu_windows == HOSTS * 8 * WINDOWS
     assert set(timed.seconds) == set(bench.STAGES)
     agree, planted, wrong = bench.agreement(timed, HOSTS, runs)
