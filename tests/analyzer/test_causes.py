@@ -158,7 +158,7 @@ def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() ->
     assert "memory_pressure" not in set(named[behind])
 
 
-def test_a_kv_cache_nearly_empty_with_no_allocation_failing_is_no_memory_pressure(
+def test_a_kv_cache_nearly_empty_or_a_full_batch_would_not_fill_is_no_memory_pressure(
     tmp_path: Path,
 ) -> None:
     # the default demo under least connections: GPU 0 takes most of the work at a deep queue
@@ -185,15 +185,26 @@ def test_a_kv_cache_nearly_empty_with_no_allocation_failing_is_no_memory_pressur
     # the memory share goes to the other overloaded causes as they stood, 3 to 1
     moved = np.tile([0.2, 0.0, 0.6, 0.2], (len(hot), 1))
     assert np.allclose(causes.apply(learned, classes, table), moved)
-    # a KV cache in use, an allocation failing, or no KV figure (its batches short of their
-    # limit): the learned answer stands
+    # an allocation failing, or no KV figure (its batches short of their limit): the learned
+    # answer stands
     kv = COLUMNS.index("kv_cache_usage_ratio")
     failures = COLUMNS.index("allocation_failures_per_completion")
-    for column, value in ((kv, 0.5), (failures, 0.001), (kv, np.nan)):
+    for column, value in ((failures, 0.001), (kv, np.nan)):
         values = table.values.copy()
         values[:, column] = value
         changed = FeatureTable(table.frames, values)
         assert np.allclose(causes.apply(learned, classes, changed), learned), (column, value)
+    # a KV cache in use: what a full batch would need of it decides. Half the region: no
+    # memory pressure, as nearly empty; 0.8 or more: the overloaded state's probability is
+    # memory pressure's (the state is the model's)
+    per_request = np.array([f.running_mean / f.max_batch_size for f in table.frames])
+    memory = np.tile([0.2, 0.8, 0.0, 0.0], (len(hot), 1))
+    for full_batch, expected in ((0.5, moved), (0.8, memory)):
+        values = table.values.copy()
+        values[:, kv] = full_batch * per_request
+        changed = FeatureTable(table.frames, values)
+        assert np.allclose(causes.kv_full_batch_ratio(changed), full_batch)
+        assert np.allclose(causes.apply(learned, classes, changed), expected), full_batch
 
 
 def test_batches_at_their_limit_with_no_allocation_failing_are_no_memory_pressure(
