@@ -95,6 +95,8 @@ class Named:
     # batches that the batcher holds back, and starved/host_bound, the GPU waiting for its host
     waiting: np.ndarray  # bool
     held_back: np.ndarray  # bool
+    # what a full batch would need of the KV region (kv_full_batch_ratio; NaN: not said)
+    kv_full_batch: np.ndarray
 
     def of(self, state: str) -> np.ndarray | None:
         return {"starved": self.starved, "overloaded": self.overloaded}.get(state)
@@ -149,10 +151,11 @@ def named(table: FeatureTable) -> Named:
             & (column("rho_fitted_ratio") < BATCH_WAIT_RHO)
             & (column("queue_batches") < HOST_WAIT_QUEUE_BATCHES)
         )
+        kv_full_batch = kv_full_batch_ratio(table)
         memory = (
             (column("allocation_failures_per_completion") > ALLOCATION_FAILURES)
             & (column("queue_batches") < MEMORY_QUEUE_BATCHES)
-        ) | (kv_full_batch_ratio(table) >= KV_FULL_BATCH)
+        ) | (kv_full_batch >= KV_FULL_BATCH)
     starved = np.full(n, "", dtype=object)
     overloaded = np.full(n, "", dtype=object)
     # the first that holds wins: assign in reverse order of the ground truth's decision list
@@ -168,6 +171,7 @@ def named(table: FeatureTable) -> Named:
         overloaded,
         waiting & (starved == "batch_delay"),
         held_back & (starved == "host_bound"),
+        kv_full_batch,
     )
 
 
@@ -192,7 +196,7 @@ def apply(probabilities: np.ndarray, classes: np.ndarray, table: FeatureTable) -
             out[rows] = 0.0
             out[rows, list(classes).index(label)] = total
     if "overloaded/memory_pressure" in classes:
-        _without_memory(out, list(classes), labels, table)
+        _without_memory(out, list(classes), labels, table, names.kv_full_batch)
     for state in ("starved", "overloaded"):
         causes = names.of(state)
         assert causes is not None
@@ -215,12 +219,16 @@ def _field(table: FeatureTable, name: str) -> np.ndarray:
 
 
 def _without_memory(
-    out: np.ndarray, classes: list[str], labels: list[list[str]], table: FeatureTable
+    out: np.ndarray,
+    classes: list[str],
+    labels: list[list[str]],
+    table: FeatureTable,
+    kv_full_batch: np.ndarray,
 ) -> None:
     """Where no allocation failed and a full batch would need less than ``KV_FULL_BATCH`` of
-    the KV region (where the server does not say: the KV cache is nearly empty, or the batches
-    run at their configured limit), the memory_pressure probability goes to the other
-    overloaded causes, in proportion to theirs (in place)."""
+    the KV region (``kv_full_batch``; where the server does not say: the KV cache is nearly
+    empty, or the batches run at their configured limit), the memory_pressure probability
+    goes to the other overloaded causes, in proportion to theirs (in place)."""
     column = table.column
     with np.errstate(invalid="ignore"):
         full = _field(table, "batch_size_mean") >= FULL_BATCH_RATIO * _field(
@@ -228,9 +236,10 @@ def _without_memory(
         )
         # what a full batch would need of the KV region where the server says; else a KV
         # cache nearly empty, or batches at their limit
-        kv = kv_full_batch_ratio(table)
         roomy = np.where(
-            np.isnan(kv), (column("kv_cache_usage_ratio") < KV_IDLE) | full, kv < KV_FULL_BATCH
+            np.isnan(kv_full_batch),
+            (column("kv_cache_usage_ratio") < KV_IDLE) | full,
+            kv_full_batch < KV_FULL_BATCH,
         )
         idle = roomy & ~(column("allocation_failures_per_completion") > 0)
     rows = np.flatnonzero(idle)

@@ -318,15 +318,13 @@ def diagnose(server: Prometheus, start: float, end: float, classifier: str = "mo
 
 
 def _diagnose(server: Prometheus, start: float, end: float, classifier: str) -> Timed:
-    from gpubalance.analyzer.baselines import QueueUtilization
     from gpubalance.analyzer.features import FeatureBuilder
-    from gpubalance.analyzer.model import load_shipped
     from gpubalance.analyzer.sources import open_source
-    from gpubalance.analyzer.verdict import Classifier, Verdicts
+    from gpubalance.analyzer.verdict import Verdicts
 
     # the model's file read and rebuilt, as each `gpubalance diagnose` process does first
     began, cpu = time.perf_counter(), time.process_time()
-    judge: Classifier = load_shipped() if classifier == "model" else QueueUtilization()
+    judge = _classifier(classifier)
     loaded, load_cpu = time.perf_counter() - began, time.process_time() - cpu
     began, cpu, served = time.perf_counter(), time.process_time(), server.cpu_seconds()
     source = open_source(server.url, timeout=120.0)
@@ -337,9 +335,7 @@ def _diagnose(server: Prometheus, start: float, end: float, classifier: str) -> 
     seconds["query"] = seconds.get("query", 0.0) + (fetched - began) - sum(seconds.values())
     table = FeatureBuilder().transform(frames)
     featured, feature_cpu = time.perf_counter(), time.process_time()
-    if isinstance(judge, QueueUtilization):
-        judge.fit(table)  # the rule learns nothing; fit only sets its classes
-    watched = _Stopwatch(judge)
+    watched = _Stopwatch(_fitted(judge, table))
     diagnosis = Verdicts(watched).diagnose(table)
     seconds["features"] = featured - fetched
     seconds["verdicts"] = time.perf_counter() - featured
@@ -354,6 +350,20 @@ def _diagnose(server: Prometheus, start: float, end: float, classifier: str) -> 
     return Timed(
         seconds, cpu_seconds, len(frames), diagnosis.verdicts, diagnosis.fleet, watched.seconds
     )
+
+
+def _classifier(name: str) -> Any:
+    """The classifier ``--classifier`` names: the shipped model read from its file, or the
+    rule."""
+    from gpubalance.analyzer.baselines import QueueUtilization
+    from gpubalance.analyzer.model import load_shipped
+
+    return load_shipped() if name == "model" else QueueUtilization()
+
+
+def _fitted(classifier: Any, table: Any) -> Any:
+    """The rule learns nothing: fit only sets its classes (the model comes fitted)."""
+    return classifier if hasattr(classifier, "classes_") else classifier.fit(table)
 
 
 class _Stopwatch:
@@ -379,9 +389,7 @@ def service_cycle(
     3): the features rebuilt whole, and as the service builds them (the windows the last
     cycle had not made final on the history it kept: the one before the newest, made final
     now, and the newest); and the recommendations over the lookback's verdicts."""
-    from gpubalance.analyzer.baselines import QueueUtilization
     from gpubalance.analyzer.features import FeatureBuilder, FeatureStream
-    from gpubalance.analyzer.model import load_shipped
     from gpubalance.analyzer.recommend import Recommender
     from gpubalance.analyzer.sources import open_source
     from gpubalance.analyzer.verdict import Verdicts
@@ -399,8 +407,7 @@ def service_cycle(
         began = time.process_time()
         stream.add(frames)
         cycle.append(time.process_time() - began)
-    judge = load_shipped() if classifier == "model" else QueueUtilization().fit(table)
-    diagnosis = Verdicts(judge).diagnose(table)
+    diagnosis = Verdicts(_fitted(_classifier(classifier), table)).diagnose(table)
     recommend, made = [], 0
     for _ in range(3):
         began = time.process_time()
