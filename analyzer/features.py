@@ -100,6 +100,7 @@ COLUMNS: tuple[str, ...] = (
     "rho_fitted_ratio",
     "peer_rho_fitted_max",
     "pool_rho_fitted_mean",
+    "pool_fair_rho_fitted_ratio",
     "batch_time_exponent",
     "batch_fit_measured_ratio",
     "prompt_tokens_per_request",
@@ -645,6 +646,16 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     peer_fitted = peers_of(fitted)
     out["peer_rho_fitted_max"] = np.fmax.reduce(peer_fitted, axis=1)
     out["pool_rho_fitted_mean"] = pool_mean(fitted)
+    # the pool's work at full batches over its GPUs' capacity (1 / cost each, an idle GPU's
+    # too): each GPU's rho were the work split by capacity, the ground truth's fair rho
+    counted_fair = ~np.isnan(completions) & (cost > 0)
+    capacity_fitted = np.where(counted_fair, 1.0 / np.where(cost > 0, cost, 1.0), _NAN)
+    fair_capacity = pool_sum(capacity_fitted)
+    out["pool_fair_rho_fitted_ratio"] = np.where(
+        fair_capacity > 0,
+        np.minimum(pool_sum(np.where(counted_fair, completions, _NAN)) / fair_capacity, 5.0),
+        _NAN,
+    )
     # how much batching gains on the card (1: none) and how much of that the sizes seen say
     out["batch_time_exponent"] = fit.exponent[group]
     out["batch_fit_measured_ratio"] = fit.measured[group]

@@ -82,6 +82,7 @@ COLUMNS: tuple[str, ...] = (
     "rho_fitted_ratio",
     "peer_rho_fitted_max",
     "pool_rho_fitted_mean",
+    "pool_fair_rho_fitted_ratio",
     "batch_time_exponent",
     "batch_fit_measured_ratio",
     "prompt_tokens_per_request",
@@ -147,6 +148,13 @@ def _median(values: Sequence[float]) -> float:
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def _fair_rho(pool: Sequence[_Base]) -> float:
+    """The pool's completions over its GPUs' capacity at full batches (1 / cost each)."""
+    counted = [p for p in pool if not math.isnan(p["completions"]) and p["cost"] > 0]
+    capacity = sum(1.0 / p["cost"] for p in counted)
+    return min(sum(p["completions"] for p in counted) / capacity, 5.0) if capacity > 0 else math.nan
 
 
 def _nanmean(values: Sequence[float]) -> float:
@@ -384,6 +392,7 @@ class FeatureBuilder:
             "capacity": capacity,
             "rho": min(rho, 5.0),
             "rho_fitted": min(fitted, 5.0),
+            "cost": cost,
             "exponent": exponent,
             "measured": measured,
             "kv": _nan(frame.kv_cache_usage_ratio) if live else math.nan,
@@ -531,6 +540,7 @@ class FeatureBuilder:
             "kv_cache_usage_peer_z": _robust_z(own["kv"], [p["kv"] for p in pool]),
             "peer_rho_fitted_max": max(peer_fitted) if peer_fitted else math.nan,
             "pool_rho_fitted_mean": _mean(pool_fitted),
+            "pool_fair_rho_fitted_ratio": _fair_rho(pool),
             "batch_time_exponent": own["exponent"],
             "batch_fit_measured_ratio": own["measured"],
             "prompt_tokens_per_request": _per_request(frame.prompt_tokens_per_second, frame),

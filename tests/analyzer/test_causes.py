@@ -134,7 +134,7 @@ def test_the_model_names_batch_delay_on_a_server_it_was_not_trained_on() -> None
     assert set(fitted.predict(judged.table)) == {"starved/batch_delay"}
 
 
-def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() -> None:
+def test_allocation_failures_name_memory_pressure_without_a_deep_queue_or_kv_figure() -> None:
     # fragmented-memory: 13B INT8 with mixed RAG prompts, oom outcomes from a short queue;
     # a generated slow card far behind its queue fails allocations too, overloaded/slow_card
     fragmented = yaml.safe_load(scenario.scenario_path("fragmented-memory").read_text())
@@ -146,8 +146,12 @@ def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() ->
         ],
         workers=1,
     )
+    # as a server that reports no KV cache (TGI, Triton) has them
+    values = data.table.values.copy()
+    values[:, COLUMNS.index("kv_cache_usage_ratio")] = np.nan
+    blank = FeatureTable(data.table.frames, values)
     failing = data.table.column("allocation_failures_per_completion") > causes.ALLOCATION_FAILURES
-    named = causes.named(data.table).overloaded
+    named = causes.named(blank).overloaded
     labels = np.asarray(data.labels)
     runs = np.asarray(data.runs)
     memory = failing & (runs == "fragmented-memory") & (labels == "overloaded/memory_pressure")
@@ -156,6 +160,12 @@ def test_allocation_failures_name_memory_pressure_only_without_a_deep_queue() ->
     assert set(named[memory]) == {"memory_pressure"}
     assert "overloaded/memory_pressure" not in set(labels[behind])
     assert "memory_pressure" not in set(named[behind])
+    # where the server reports its KV cache, what a full batch would need of it decides,
+    # whatever allocations failed
+    reported = causes.named(data.table)
+    full = reported.kv_full_batch >= causes.KV_FULL_BATCH
+    assert not np.isnan(reported.kv_full_batch[memory]).any()
+    assert ((reported.overloaded == "memory_pressure") == full).all()
 
 
 def test_a_kv_cache_nearly_empty_or_a_full_batch_would_not_fill_is_no_memory_pressure(
@@ -185,15 +195,20 @@ def test_a_kv_cache_nearly_empty_or_a_full_batch_would_not_fill_is_no_memory_pre
     # the memory share goes to the other overloaded causes as they stood, 3 to 1
     moved = np.tile([0.2, 0.0, 0.6, 0.2], (len(hot), 1))
     assert np.allclose(causes.apply(learned, classes, table), moved)
-    # an allocation failing, or no KV figure (its batches short of their limit): the learned
-    # answer stands
+    # no KV figure (its batches short of their limit), and an allocation failing: the learned
+    # answer stands; with the KV figure, a failing allocation does not change what it says
     kv = COLUMNS.index("kv_cache_usage_ratio")
     failures = COLUMNS.index("allocation_failures_per_completion")
-    for column, value in ((failures, 0.001), (kv, np.nan)):
+    for blank_kv, expected in ((True, learned), (False, moved)):
         values = table.values.copy()
-        values[:, column] = value
+        values[:, failures] = 0.001
+        if blank_kv:
+            values[:, kv] = np.nan
         changed = FeatureTable(table.frames, values)
-        assert np.allclose(causes.apply(learned, classes, changed), learned), (column, value)
+        assert np.allclose(causes.apply(learned, classes, changed), expected), blank_kv
+    values = table.values.copy()
+    values[:, kv] = np.nan
+    assert np.allclose(causes.apply(learned, classes, FeatureTable(table.frames, values)), learned)
     # a KV cache in use: what a full batch would need of it decides. Half the region: no
     # memory pressure, as nearly empty; 0.8 or more: the overloaded state's probability is
     # memory pressure's (the state is the model's)
@@ -234,3 +249,37 @@ def test_batches_at_their_limit_with_no_allocation_failing_are_no_memory_pressur
         told = tuple(dataclasses.replace(f, max_batch_size=limit) for f in frames)
         changed = FeatureTable(told, blank)
         assert np.allclose(causes.apply(learned, classes, changed), learned), limit
+
+
+@pytest.mark.parametrize(
+    ("name", "cause", "routed"),
+    [
+        # weighted round robin sends GPU 0 most of the work: the others starve by their routing
+        ("skewed-heterogeneous", "starved/routing_skew", True),
+        ("sticky-sessions-skew", "starved/routing_skew", True),
+        # eight GPUs for the work of two: every one starves by low demand
+        ("overprovisioned-fleet", "starved/low_demand", False),
+    ],
+)
+def test_a_busy_peer_and_enough_work_for_a_split_by_capacity_name_routing_skew(
+    name: str, cause: str, routed: bool
+) -> None:
+    document = yaml.safe_load(scenario.scenario_path(name).read_text())
+    data = build_dataset([Example(name, name, document, 1, 240.0)], workers=1)
+    rows = np.flatnonzero(np.asarray(data.labels) == cause)
+    assert len(rows) >= 10
+    table = data.table.take(rows)
+    names = causes.named(table)
+    assert names.routed.all() == routed and names.unrouted.all() != routed
+    # decisive between the two, and only between them
+    classes = np.asarray(["balanced/none", "starved/low_demand", "starved/routing_skew"])
+    learned = np.tile([0.3, 0.5, 0.2] if routed else [0.3, 0.2, 0.5], (len(rows), 1))
+    expected = np.tile([0.3, 0.0, 0.7] if routed else [0.3, 0.7, 0.0], (len(rows), 1))
+    assert np.allclose(causes.apply(learned, classes, table), expected)
+    # the pool's work not known: the learned split stands
+    values = table.values.copy()
+    values[:, COLUMNS.index("pool_fair_rho_fitted_ratio")] = np.nan
+    if routed:
+        assert np.allclose(
+            causes.apply(learned, classes, FeatureTable(table.frames, values)), learned
+        )

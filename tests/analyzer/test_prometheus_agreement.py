@@ -193,6 +193,7 @@ FITS = {
     "rho_fitted_ratio",
     "peer_rho_fitted_max",
     "pool_rho_fitted_mean",
+    "pool_fair_rho_fitted_ratio",
     "batch_time_exponent",
     "batch_fit_measured_ratio",
 }
