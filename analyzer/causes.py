@@ -77,23 +77,22 @@ FULL_BATCH_RATIO = 0.9
 # the KV region's share a full batch of the window's requests would need: its KV cache in use
 # per running request, times the batch limit. At this share or more the KV region, not the
 # load, limits an overloaded GPU (the ground truth's memory pressure, lab/scenarios/README.md:
-# a full batch of the window's mean request needs 0.8 of the region), and under it, with no
-# allocation failing, it does not. Measured on the held-out windows of 6 variants of every
+# a full batch of the window's mean request needs 0.8 of the region), and under it it does
+# not, whatever allocations failed. Measured on the held-out windows of 6 variants of every
 # generated family (12,537): 99 % of the overloaded/memory_pressure windows are at 0.8 or
 # more, 2 % of the capacity_shortage ones and none of the slow_card or routing_skew ones;
 # each window judged by the model fitted without its family, cause accuracy 0.687 -> 0.708
 # with both rules. Naming the state too (overloaded where such a GPU is busy half the
 # window) raised it to 0.732 but cost the verdicts their median detection delay (2 -> 3
 # windows): the ground truth asks half the window of work at full batches, which a GPU whose
-# memory keeps its batches short shows as more
-KV_FULL_BATCH = 0.8
-# where the server reports its KV cache, what a full batch would need of it decides memory
-# pressure, and allocation failures do not: a window of long-tailed requests fails some
+# memory keeps its batches short shows as more. Where the server reports its KV cache, this
+# figure decides and allocation failures do not: a window of long-tailed requests fails some
 # allocations in a region a full batch of its mean request fits (on the held-out windows of
 # 8 variants of every generated family, 16,120: 87 % of the capacity_shortage windows called
 # memory_pressure were named by their failures, a full batch needing 0.35-0.72 of the region
 # in the ground truth; cause accuracy 0.693 -> 0.705 with failures heard only where the KV
 # cache is not reported)
+KV_FULL_BATCH = 0.8
 # a starved GPU starves by its routing where a peer of its pool is busy this share of the
 # window or more (the ground truth's line: the work exists but went elsewhere) ...
 BUSY_PEER_RHO = 0.6

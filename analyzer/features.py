@@ -649,7 +649,7 @@ def _window(c: _Frames, index: np.ndarray, memory: _Memory) -> tuple[np.ndarray,
     # the pool's work at full batches over its GPUs' capacity (1 / cost each, an idle GPU's
     # too): each GPU's rho were the work split by capacity, the ground truth's fair rho
     counted_fair = ~np.isnan(completions) & (cost > 0)
-    capacity_fitted = np.where(counted_fair, 1.0 / np.where(cost > 0, cost, 1.0), _NAN)
+    capacity_fitted = np.where(counted_fair, 1.0 / cost, _NAN)
     fair_capacity = pool_sum(capacity_fitted)
     out["pool_fair_rho_fitted_ratio"] = np.where(
         fair_capacity > 0,
