@@ -11,11 +11,15 @@ its state's whole probability; the learned causes decide only where no such figu
 
 Persisted with skops, never pickle: loading a pickle runs code, loading a skops file
 only rebuilds the types it lists, and :func:`load` refuses any type outside scikit-learn and
-numpy, and any file written for other feature columns or another format version.
+numpy, and any file written for other feature columns or another format version. Each
+estimator's trees (2,250 in the shipped model) are written as a few arrays of all their nodes
+rather than three small arrays a tree, which skops reads one file and one header at a time:
+the shipped model's read took 1.7 CPU seconds that way, 0.06 s packed (median of 5, one core).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import zipfile
 from collections.abc import Sequence
@@ -29,7 +33,7 @@ from threadpoolctl import threadpool_limits
 from gpubalance.analyzer import causes
 from gpubalance.analyzer.features import COLUMNS, FeatureTable
 
-FORMAT = "gpubalance.analyzer.model/v2"
+FORMAT = "gpubalance.analyzer.model/v3"
 # the model gpubalance ships, trained on the lab's generated families by `make model`; the
 # analyzer's default classifier (its report, beside it, says on what and how well)
 SHIPPED = Path(__file__).parent / "models" / "default.skops"
@@ -39,6 +43,9 @@ BLOCK_ROWS = 2048
 # three states has at least a third, and the likeliest label at least a third over a state's
 # causes (six at most), well above a share of this spread over them
 NEGLIGIBLE_STATE = 0.01
+# states this close to a row's likeliest count as likeliest too (see predict_likeliest_proba):
+# the verdict sums a state's labels again, which can reorder two equal states by an ulp
+LIKELIEST_TIE = 1e-9
 
 
 class ModelError(Exception):
@@ -128,6 +135,17 @@ class GpuStateClassifier:
         return self
 
     def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        return self._proba(table, likeliest_only=False)
+
+    def predict_likeliest_proba(self, table: FeatureTable) -> np.ndarray:
+        """As :meth:`predict_proba`, but only each row's likeliest state has its causes asked
+        of their trees; the others' probability is spread evenly over their causes. Each
+        state's probability and the likeliest state's causes are the same: all a verdict reads
+        (:class:`~gpubalance.analyzer.verdict.Verdicts` asks this where a classifier has it),
+        for about half the trees' work on a fleet (a balanced row asks no cause tree at all)."""
+        return self._proba(table, likeliest_only=True)
+
+    def _proba(self, table: FeatureTable, likeliest_only: bool) -> np.ndarray:
         self._check(table)
         if not len(table.frames):
             return np.zeros((0, len(self.classes_)))
@@ -135,25 +153,28 @@ class GpuStateClassifier:
         # host whose cores are busy (a serving host's feeders, the lab's runs) an 8-row
         # prediction took over 10 s on two threads of this 2-core machine, 12 ms on one
         with threadpool_limits(limits=1):
-            learned = self._learned_proba(table)
+            learned = self._learned_proba(table, likeliest_only)
         return causes.apply(learned, self.classes_, table) if self.named_causes else learned
 
-    def _learned_proba(self, table: FeatureTable) -> np.ndarray:
+    def _learned_proba(self, table: FeatureTable, likeliest_only: bool) -> np.ndarray:
         out = np.empty((len(table.frames), len(self.classes_)))
         # a block of rows at a time: each tree walks a block that stays in the cache, where a
         # table of 160,000 rows (80 MB) read from memory by every tree made the shipped model's
         # trees three times slower (30 CPU seconds against 9 on one core)
         for start in range(0, len(out), BLOCK_ROWS):
             block = table.values[start : start + BLOCK_ROWS]
-            out[start : start + len(block)] = self._block_proba(block)
+            out[start : start + len(block)] = self._block_proba(block, likeliest_only)
         return out
 
-    def _block_proba(self, values: np.ndarray) -> np.ndarray:
+    def _block_proba(self, values: np.ndarray, likeliest_only: bool) -> np.ndarray:
         if not self.hierarchy:
             return self.estimator_.predict_proba(values)
         column = {label: i for i, label in enumerate(self.classes_)}
         out = np.zeros((len(values), len(self.classes_)))
         states = self.estimator_.predict_proba(values)
+        floor = np.full(len(values), NEGLIGIBLE_STATE)
+        if likeliest_only:
+            floor = np.maximum(floor, states.max(axis=1) - LIKELIEST_TIE)
         for j, state in enumerate(self.estimator_.classes_):
             p_state = states[:, j]
             if state in self.only_cause_:
@@ -161,10 +182,12 @@ class GpuStateClassifier:
                 continue
             cause = self.cause_estimators_[state]
             mine = [column[label] for label in cause.classes_]
-            # a state this unlikely is not the row's likeliest, whose causes are all a verdict
-            # reads, and none of its labels can be the likeliest label: its share is spread
-            # evenly over its causes rather than asked of their trees (about half the work)
-            asked = p_state >= NEGLIGIBLE_STATE
+            # a state below the floor has its share spread evenly over its causes rather than
+            # asked of their trees (about half the work): under NEGLIGIBLE_STATE it is not the
+            # row's likeliest, whose causes are all a verdict reads, and none of its labels can
+            # be the likeliest label (predict's); for a verdict alone, the floor is the
+            # likeliest state's probability
+            asked = p_state >= floor
             spread = ~asked
             out[np.ix_(spread, mine)] = (p_state[spread] / len(mine))[:, None]
             if asked.any():
@@ -215,11 +238,14 @@ def save(path: Path, classifier: GpuStateClassifier, report: dict[str, Any]) -> 
         "params": classifier.get_params(),
         "only_cause": classifier.only_cause_,
     }
+    given_state = classifier.cause_estimators_
     sio.dump(
         {
             "header": json.dumps(header),
-            "estimator": classifier.estimator_,
-            "causes": classifier.cause_estimators_,
+            "estimator": _without_trees(classifier.estimator_),
+            "trees": _packed_trees(classifier.estimator_),
+            "causes": {state: _without_trees(e) for state, e in given_state.items()},
+            "cause_trees": {state: _packed_trees(e) for state, e in given_state.items()},
         },
         path,
         compression=zipfile.ZIP_DEFLATED,
@@ -275,8 +301,6 @@ def load(path: Path) -> GpuStateClassifier:
         # anything else, a builtins function included, is refused before it is created
         content = sio.load(path, trusted=allowed)
         header = json.loads(content["header"])
-        estimator = content["estimator"]
-        causes = content.get("causes", {})
     except Exception as exc:
         raise ModelError(f"{path}: not a gpubalance model file ({exc})") from None
     if header.get("format") != FORMAT:
@@ -289,6 +313,14 @@ def load(path: Path) -> GpuStateClassifier:
             f"{path}: trained on other feature columns than this gpubalance computes; "
             "retrain it with `gpubalance analyzer train`"
         )
+    try:
+        estimator = _with_trees(content["estimator"], content["trees"])
+        causes = {
+            state: _with_trees(e, content["cause_trees"][state])
+            for state, e in content["causes"].items()
+        }
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{path}: not a gpubalance model file ({exc})") from None
     classifier = GpuStateClassifier(**header["params"])
     classifier.estimator_ = estimator
     classifier.cause_estimators_ = dict(causes)
@@ -303,3 +335,49 @@ def load(path: Path) -> GpuStateClassifier:
     classifier.feature_names_in_ = np.asarray(COLUMNS)
     classifier.n_features_in_ = len(COLUMNS)
     return classifier
+
+
+# a fitted HistGradientBoostingClassifier keeps its trees as a list (per iteration) of lists
+# (per class) of TreePredictor(nodes, binned_left_cat_bitsets, raw_left_cat_bitsets): what
+# _packed_trees writes and _with_trees rebuilds (scikit-learn's own types, arrays as views)
+_TREE_PARTS = ("nodes", "binned_left_cat_bitsets", "raw_left_cat_bitsets")
+
+
+def _without_trees(estimator: Any) -> Any:
+    stripped = copy.copy(estimator)
+    stripped._predictors = []
+    return stripped
+
+
+def _packed_trees(estimator: Any) -> dict[str, np.ndarray]:
+    """Every tree's three arrays, each part concatenated over the trees in order, and where
+    each tree's part ends (``{part}_ends``)."""
+    trees = [tree for iteration in estimator._predictors for tree in iteration]
+    packed: dict[str, np.ndarray] = {}
+    for part in _TREE_PARTS:
+        arrays = [getattr(tree, part) for tree in trees]
+        packed[part] = np.concatenate(arrays)
+        packed[f"{part}_ends"] = np.cumsum([len(a) for a in arrays], dtype=np.int64)
+    return packed
+
+
+def _with_trees(estimator: Any, packed: dict[str, np.ndarray]) -> Any:
+    """``estimator`` (written without its trees) with the trees ``packed`` holds."""
+    from sklearn.ensemble._hist_gradient_boosting.common import PREDICTOR_RECORD_DTYPE
+    from sklearn.ensemble._hist_gradient_boosting.predictor import TreePredictor
+
+    if packed["nodes"].dtype != PREDICTOR_RECORD_DTYPE:
+        raise ValueError("tree nodes of another scikit-learn's layout; retrain the model")
+    per_iteration = int(estimator.n_trees_per_iteration_)
+    parts: list[list[np.ndarray]] = []
+    for part in _TREE_PARTS:
+        values, ends = packed[part], packed[f"{part}_ends"]
+        if len(ends) and (np.any(np.diff(ends) < 0) or ends[0] < 0 or ends[-1] != len(values)):
+            raise ValueError(f"the trees' {part} do not add up")
+        parts.append(np.split(values, ends[:-1]))
+    count = len(parts[0])
+    if any(len(p) != count for p in parts) or count % per_iteration:
+        raise ValueError(f"{count} trees for {per_iteration} a boosting iteration")
+    trees = [TreePredictor(*arrays) for arrays in zip(*parts, strict=True)]
+    estimator._predictors = [trees[i : i + per_iteration] for i in range(0, count, per_iteration)]
+    return estimator

@@ -62,7 +62,11 @@ STATES_SUMMED: tuple[State, ...] = (*JUDGED, "unknown")
 
 
 class Classifier(Protocol):
-    """What the verdict step needs of a classifier (the baselines and the learned model)."""
+    """What the verdict step needs of a classifier (the baselines and the learned model).
+
+    One that also has ``predict_likeliest_proba(table)`` (the learned model) is asked that
+    instead: the same states' probabilities and likeliest state's causes, the others' causes
+    unasked."""
 
     classes_: np.ndarray
 
@@ -710,7 +714,11 @@ class Verdicts:
             return []
         rows = _Rows(table)
         labels = [split_label(str(label)) for label in self.classifier.classes_]
-        matrix = np.asarray(self.classifier.predict_proba(table), dtype=np.float64)
+        # a verdict reads every state's probability but only the likeliest state's causes: a
+        # classifier that can leave the others' unasked (the learned model) is asked so
+        likeliest = getattr(self.classifier, "predict_likeliest_proba", None)
+        predict = self.classifier.predict_proba if likeliest is None else likeliest
+        matrix = np.asarray(predict(table), dtype=np.float64)
         states = _state_probabilities(matrix, labels)
         # no utilization reading: NVML said nothing of the GPU's work, and no classifier judges
         # it by its serving figures alone (the rules say unknown; a model would guess)

@@ -100,6 +100,25 @@ def test_a_model_of_other_columns_is_refused(dataset: Dataset, tmp_path: Path) -
         model.load(path)
 
 
+def test_a_model_whose_trees_do_not_add_up_is_refused(dataset: Dataset, tmp_path: Path) -> None:
+    import skops.io as sio
+
+    fitted = GpuStateClassifier(max_iter=5).fit(dataset.table, dataset.labels)
+    path = tmp_path / "model.skops"
+    model.save(path, fitted, {})
+    content = sio.load(path, trusted=sio.get_untrusted_types(file=path))
+    ends = content["trees"]["nodes_ends"]
+    content["trees"]["nodes_ends"] = ends[:-1]  # the last tree's nodes belong to none
+    sio.dump(content, path)
+    with pytest.raises(ModelError, match="the trees' nodes do not add up"):
+        model.load(path)
+    content["trees"]["nodes_ends"] = ends
+    del content["cause_trees"]
+    sio.dump(content, path)
+    with pytest.raises(ModelError, match=r"not a gpubalance model file .*cause_trees"):
+        model.load(path)
+
+
 def test_held_out_families_are_scored_each_in_turn(dataset: Dataset) -> None:
     predicted, report = cross_validate(dataset, lambda: GpuStateClassifier(max_iter=10))
     assert set(report["per_family"]) == set(NAMES)
@@ -213,4 +232,21 @@ def test_the_verdicts_and_labels_are_those_of_every_cause_asked(dataset: Dataset
     ours, theirs = shipped.predict_proba(table), every.predict_proba(table)
     assert np.array_equal(ours.argmax(axis=1), theirs.argmax(axis=1))
     assert np.abs(ours - theirs).max() <= model.NEGLIGIBLE_STATE
+    # Verdicts asks the model for its likeliest state's causes alone (predict_likeliest_proba)
     assert Verdicts(shipped).diagnose(dataset.table) == Verdicts(every).diagnose(dataset.table)
+
+
+def test_the_verdicts_ask_only_the_likeliest_states_causes(dataset: Dataset) -> None:
+    shipped = model.load_shipped()
+    table = dataset.table
+    every = _EveryCauseAsked(shipped).predict_proba(table)
+    likeliest = shipped.predict_likeliest_proba(table)
+    states = shipped.estimator_.predict_proba(table.values)
+    top = states.argmax(axis=1)
+    for j, state in enumerate(shipped.estimator_.classes_):
+        mine = [i for i, label in enumerate(shipped.classes_) if label.startswith(state + "/")]
+        # every state's probability as before, and the likeliest one's causes
+        assert np.allclose(likeliest[:, mine].sum(axis=1), states[:, j])
+        assert np.allclose(likeliest[np.ix_(top == j, mine)], every[np.ix_(top == j, mine)])
+    # the other states' causes were not asked (spread over them, then the named causes)
+    assert not np.allclose(likeliest, every)
