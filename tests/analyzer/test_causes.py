@@ -211,16 +211,50 @@ def test_a_kv_cache_nearly_empty_or_a_full_batch_would_not_fill_is_no_memory_pre
         changed = FeatureTable(table.frames, values)
         assert np.allclose(causes.apply(learned, classes, changed), expected), (failed, blank_kv)
     # a KV cache in use: what a full batch would need of it decides. Half the region: no
-    # memory pressure, as nearly empty; 0.8 or more: the overloaded state's probability is
-    # memory pressure's (the state is the model's)
+    # memory pressure, as nearly empty; 0.8 or more, on the hot GPU's work (enough to fill
+    # its batches): the whole probability is memory pressure's, the state's as well
+    assert min(table.column("rho_fitted_ratio")) >= causes.MEMORY_BUSY_RHO
     per_request = np.array([f.running_mean / f.max_batch_size for f in table.frames])
-    memory = np.tile([0.2, 0.8, 0.0, 0.0], (len(hot), 1))
+    memory = np.tile([0.0, 1.0, 0.0, 0.0], (len(hot), 1))
     for full_batch, expected in ((0.5, moved), (0.8, memory)):
         values = table.values.copy()
         values[:, kv] = full_batch * per_request
         changed = FeatureTable(table.frames, values)
         assert np.allclose(causes.kv_full_batch_ratio(changed), full_batch)
         assert np.allclose(causes.apply(learned, classes, changed), expected), full_batch
+
+
+def test_a_full_batch_that_would_fill_the_kv_region_and_the_work_to_fill_it_name_the_state(
+    tmp_path: Path,
+) -> None:
+    classes = np.asarray(
+        [
+            "balanced/none",
+            "overloaded/capacity_shortage",
+            "overloaded/memory_pressure",
+            "starved/low_demand",
+        ]
+    )
+    memory = _table("fragmented-memory", 120, tmp_path / "memory")
+    shortage = _table("capacity-shortage", 120, tmp_path / "shortage")
+    for table, named in ((memory, True), (shortage, False)):
+        learned = np.tile([0.5, 0.2, 0.1, 0.2], (len(table.frames), 1))
+        fires = causes.named(table).short_of_memory
+        # the memory scenario's GPUs in most windows, the capacity shortage's in none
+        assert fires.mean() >= 0.75 if named else not fires.any()
+        out = causes.apply(learned, classes, table)
+        assert np.allclose(out[fires], [0.0, 0.0, 1.0, 0.0])
+        assert np.allclose(out[~fires, 0], 0.5) and np.allclose(out[~fires, 3], 0.2)
+    # less work than would fill its batches: the state is the model's, the cause the memory
+    values = memory.values.copy()
+    values[:, COLUMNS.index("rho_fitted_ratio")] = causes.MEMORY_BUSY_RHO - 0.05
+    light = FeatureTable(memory.frames, values)
+    learned = np.tile([0.5, 0.2, 0.1, 0.2], (len(light.frames), 1))
+    overloaded = learned[:, 1:3].sum(axis=1)
+    fired = causes.named(memory).short_of_memory
+    out = causes.apply(learned, classes, light)
+    assert not causes.named(light).short_of_memory.any()
+    assert np.allclose(out[fired], [0.5, 0.0, overloaded[0], 0.2])
 
 
 def test_batches_at_their_limit_with_no_allocation_failing_are_no_memory_pressure(
