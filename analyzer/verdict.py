@@ -39,6 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gpubalance.analyzer import causes
 from gpubalance.analyzer.baselines import split_label
 from gpubalance.analyzer.collection import collection_paused
 from gpubalance.analyzer.features import FeatureTable
@@ -127,6 +128,7 @@ _EVIDENCE_FEATURES = (
     "idle_while_peer_queued",
     "peer_queue_max_batches",
     "utilization_ratio",
+    "kv_cache_usage_ratio",
 )
 # the frame figures the rules and the evidence read, one float64 column each (None: NaN)
 _FIGURES = (
@@ -145,6 +147,7 @@ _FIGURES = (
     "batch_size_mean",
     "queue_depth_max",
     "running_mean",
+    "max_batch_size",
 )
 _FIGURE_VALUES = operator.attrgetter(*_FIGURES)
 _COUNTS = ("sample_count", "expected_sample_count", "stale_sample_count", "serving_queues", "lost")
@@ -475,7 +478,14 @@ class _Evidence:
                 np.nan_to_num(figure("host_iowait_ratio")) >= 0.1
             )
             failures = np.nan_to_num(figure("allocation_failures")) != 0
-            memory = failures | (feature("memory_used_ratio") >= 0.9)
+            # what a full batch would need of the KV region: where it is most, the memory
+            # limits the batches (the figure that names memory pressure)
+            kv_full_batch = causes.kv_full_batch_ratio(rows.table)
+            memory = (
+                failures
+                | (feature("memory_used_ratio") >= 0.9)
+                | (kv_full_batch >= causes.KV_FULL_BATCH)
+            )
             own = feature("throughput_vs_own_best_ratio")
             throughput = ~np.isnan(figure("completions_per_second")) & (own > 0) & (own < 0.8)
             idle = (feature("idle_while_peer_queued") >= 0.2) & np.isfinite(
@@ -496,6 +506,7 @@ class _Evidence:
         self.io, self.memory, self.throughput = io.tolist(), memory.tolist(), throughput.tolist()
         self.idle, self.coverage, self.pinned = idle.tolist(), coverage.tolist(), pinned.tolist()
         self.reasons = rows.throttle_reasons.tolist()
+        self.kv_full_batch = kv_full_batch.tolist()
 
     def sentences(self, row: int, state: State, cause: Cause) -> list[str]:
         if (
@@ -586,15 +597,24 @@ class _Evidence:
         return ", ".join(parts)
 
     def _memory(self, row: int) -> str | None:
+        parts = []
+        full = self.kv_full_batch[row]
+        if _known(full) and full >= causes.KV_FULL_BATCH:
+            limit, running = self.v["max_batch_size"][row], self.v["running_mean"][row]
+            usage = self.f["kv_cache_usage_ratio"][row]
+            parts.append(
+                f"a full batch of {limit:.0f} would need {_pct(full)} of the KV cache "
+                f"({_pct(usage)} in use by {running:.1f} running requests)"
+            )
         ratio = self.f["memory_used_ratio"][row]
         failures = self.v["allocation_failures"][row]
         if failures:
             used = f"memory {_pct(ratio)} used" if _known(ratio) else "memory use unknown"
-            return f"{failures:.0f} KV allocation failures in the window; {used}"
-        if _known(ratio) and ratio >= 0.9:
+            parts.append(f"{failures:.0f} KV allocation failures in the window; {used}")
+        elif _known(ratio) and ratio >= 0.9:
             total = (self.v["memory_total_bytes"][row] or 0) / 2**30
-            return f"memory {_pct(ratio)} of {total:.0f} GiB used"
-        return None
+            parts.append(f"memory {_pct(ratio)} of {total:.0f} GiB used")
+        return "; ".join(parts) or None
 
     def _throughput(self, row: int, cause: Cause) -> str | None:
         completions = self.v["completions_per_second"][row]

@@ -4,6 +4,7 @@ model's answers where they fire."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from gpubalance.analyzer.features import COLUMNS, FeatureBuilder, FeatureTable
 from gpubalance.analyzer.frames import frames_from_samples
 from gpubalance.analyzer.model import GpuStateClassifier
 from gpubalance.analyzer.train import Example, build_dataset, truth_of_features
+from gpubalance.analyzer.verdict import Verdicts
 from gpubalance.lab import generate, scenario
 from gpubalance.lab import run as lab_run
 from gpubalance.lab.fast import ORIGIN_SECONDS
@@ -224,6 +226,17 @@ def test_a_kv_cache_nearly_empty_or_a_full_batch_would_not_fill_is_no_memory_pre
         assert np.allclose(causes.apply(learned, classes, changed), expected), full_batch
 
 
+class _Answers:
+    """A model that answers the same for every row, the named causes applied as the model
+    applies them."""
+
+    def __init__(self, classes: np.ndarray, learned: np.ndarray) -> None:
+        self.classes_, self.learned = classes, learned
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        return causes.apply(self.learned, self.classes_, table)
+
+
 def test_a_full_batch_that_would_fill_the_kv_region_and_the_work_to_fill_it_name_the_state(
     tmp_path: Path,
 ) -> None:
@@ -245,16 +258,25 @@ def test_a_full_batch_that_would_fill_the_kv_region_and_the_work_to_fill_it_name
         out = causes.apply(learned, classes, table)
         assert np.allclose(out[fires], [0.0, 0.0, 1.0, 0.0])
         assert np.allclose(out[~fires, 0], 0.5) and np.allclose(out[~fires, 3], 0.2)
-    # less work than would fill its batches: the state is the model's, the cause the memory
+    # the verdict says what named it, first
+    hits = causes.named(memory).short_of_memory
+    fired = {(f.gpu, f.t_start) for f, hit in zip(memory.frames, hits, strict=True) if hit}
+    learned = np.tile([0.5, 0.2, 0.1, 0.2], (len(memory.frames), 1))
+    verdicts = Verdicts(_Answers(classes, learned)).diagnose(memory).verdicts
+    named = [v for v in verdicts if (v.gpu, v.t_start) in fired]
+    assert len(named) == len(fired)
+    for verdict in named:
+        assert (verdict.state, verdict.cause) == ("overloaded", "memory_pressure")
+        assert re.match(
+            r"a full batch of \d+ would need \d+ % of the KV cache", verdict.evidence[0]
+        )
+    # less work than would fill its batches: the state is the model's, the overloaded
+    # probability memory pressure's
     values = memory.values.copy()
     values[:, COLUMNS.index("rho_fitted_ratio")] = causes.MEMORY_BUSY_RHO - 0.05
     light = FeatureTable(memory.frames, values)
-    learned = np.tile([0.5, 0.2, 0.1, 0.2], (len(light.frames), 1))
-    overloaded = learned[:, 1:3].sum(axis=1)
-    fired = causes.named(memory).short_of_memory
-    out = causes.apply(learned, classes, light)
     assert not causes.named(light).short_of_memory.any()
-    assert np.allclose(out[fired], [0.5, 0.0, overloaded[0], 0.2])
+    assert np.allclose(causes.apply(learned, classes, light)[hits], [0.5, 0.0, 0.3, 0.2])
 
 
 def test_batches_at_their_limit_with_no_allocation_failing_are_no_memory_pressure(

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from gpubalance.analyzer.baselines import split_label
+from gpubalance.analyzer.causes import KV_FULL_BATCH
 from gpubalance.analyzer.features import FeatureTable
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.diagnosis import CAUSES_OF, Cause, FleetKind, FleetVerdict, State, Verdict
@@ -320,14 +321,29 @@ class _Evidence:
 
     @staticmethod
     def _memory(frame: GpuFrame, features: Mapping[str, float]) -> str | None:
+        parts = []
+        usage, limit, running = (
+            features["kv_cache_usage_ratio"],
+            frame.max_batch_size,
+            frame.running_mean,
+        )
+        if _known(usage) and limit and running and running > 0:
+            full = usage * limit / running
+            if full >= KV_FULL_BATCH:
+                parts.append(
+                    f"a full batch of {limit:.0f} would need {_pct(full)} of the KV cache "
+                    f"({_pct(usage)} in use by {running:.1f} running requests)"
+                )
         ratio = features["memory_used_ratio"]
         used = f"memory {_pct(ratio)} used" if _known(ratio) else "memory use unknown"
         if frame.allocation_failures:
-            return f"{frame.allocation_failures:.0f} KV allocation failures in the window; {used}"
-        if _known(ratio) and ratio >= 0.9:
+            parts.append(
+                f"{frame.allocation_failures:.0f} KV allocation failures in the window; {used}"
+            )
+        elif _known(ratio) and ratio >= 0.9:
             total = (frame.memory_total_bytes or 0) / 2**30
-            return f"memory {_pct(ratio)} of {total:.0f} GiB used"
-        return None
+            parts.append(f"memory {_pct(ratio)} of {total:.0f} GiB used")
+        return "; ".join(parts) or None
 
     @staticmethod
     def _throughput(frame: GpuFrame, features: Mapping[str, float], cause: Cause) -> str | None:
