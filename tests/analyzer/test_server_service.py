@@ -108,19 +108,37 @@ def longer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+class CountingClassifier(QueueUtilization):
+    """The queue rule, counting the rows it is asked of in each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def predict_proba(self, table: FeatureTable) -> np.ndarray:
+        self.asked.append(len(table.frames))
+        return super().predict_proba(table)
+
+
 def test_a_growing_run_is_judged_as_a_full_rebuild_judges_it(longer: Path, tmp_path: Path) -> None:
-    # each cycle builds only the windows the last had not made final; cut anywhere, mid-window
-    # too, the newest window of a cycle is whole only in the next
+    # each cycle builds only the windows the last had not made final, and asks the classifier
+    # of those alone; cut anywhere, mid-window too, the newest window of a cycle is whole only
+    # in the next
     lines = (longer / "snapshots.jsonl").read_bytes().splitlines(keepends=True)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    growing = AnalyzerService(LabRunSource(run_dir), QueueUtilization())
-    for cut in (40, 75, 76, 140, 205, len(lines)):
+    counting = CountingClassifier()
+    growing = AnalyzerService(LabRunSource(run_dir), counting)
+    for cut in (40, 75, 76, 140, 205, len(lines), len(lines)):
         (run_dir / "snapshots.jsonl").write_bytes(b"".join(lines[:cut]))
         growing.cycle()
     assert growing.health().cycle_failures == {}
     fresh = AnalyzerService(LabRunSource(run_dir), QueueUtilization())
     fresh.cycle()
+    # a cycle with nothing new asks of the newest window alone, which no cycle made final,
+    # not of the 40 GPU-windows its table holds
+    gpus = len(fresh.diagnosis().gpus)
+    assert counting.asked[-1] == gpus < len(fresh.diagnosis(history=100).history)
     rebuilt, kept = fresh.diagnosis(history=100), growing.diagnosis(history=100)
     assert len(kept.history) > 30
     assert kept.gpus == rebuilt.gpus
