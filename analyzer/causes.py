@@ -88,13 +88,12 @@ FULL_BATCH_RATIO = 0.9
 # utilization) raised it to 0.732 but cost the verdicts their median detection delay (2 -> 3
 # windows): the ground truth asks half the window of work at full batches, which a GPU whose
 # memory keeps its batches short shows as more (MEMORY_BUSY_RHO reads that work instead).
-# Where the server reports its KV cache, this
-# figure decides and allocation failures do not: a window of long-tailed requests fails some
-# allocations in a region a full batch of its mean request fits (on the held-out windows of
-# 8 variants of every generated family, 16,120: 87 % of the capacity_shortage windows called
-# memory_pressure were named by their failures, a full batch needing 0.35-0.72 of the region
-# in the ground truth; cause accuracy 0.693 -> 0.705 with failures heard only where the KV
-# cache is not reported)
+# Where the server reports its KV cache, this figure decides and allocation failures do not: a
+# window of long-tailed requests fails some allocations in a region a full batch of its mean request
+# fits (on the held-out windows of 8 variants of every generated family, 16,120: 87 % of the
+# capacity_shortage windows called memory_pressure were named by their failures, a full batch
+# needing 0.35-0.72 of the region in the ground truth; cause accuracy 0.693 -> 0.705 with failures
+# heard only where the KV cache is not reported)
 KV_FULL_BATCH = 0.8
 # ... and where its work at full batches (rho_fitted_ratio) would keep it busy this share of
 # the window or more, the GPU is overloaded by its memory, whatever the model makes of it: the
