@@ -25,7 +25,7 @@ import numpy as np
 from gpubalance.analyzer.features import FeatureStream, FeatureTable, concatenate
 from gpubalance.analyzer.frames import GpuFrame
 from gpubalance.analyzer.sources import FrameSource, SourceError, open_source
-from gpubalance.analyzer.verdict import Classifier, Diagnosis, Verdicts
+from gpubalance.analyzer.verdict import Classifier, Diagnosis, Verdicts, asked_of
 from gpubalance.diagnosis import Ack, AckStatus, Action, FleetVerdict, Recommendation, Verdict
 
 log = logging.getLogger("gpubalance.analyzer")
@@ -509,9 +509,7 @@ class _Answering:
         self.answers: np.ndarray | None = None
 
     def predict_proba(self, table: FeatureTable) -> np.ndarray:
-        # what the verdict step would ask of the classifier itself (Verdicts): its likeliest
-        # state's causes where it can leave the others unasked
-        ask = getattr(self.classifier, "predict_likeliest_proba", self.classifier.predict_proba)
+        ask = asked_of(self.classifier)  # what Verdicts would ask of the classifier itself
         done = 0 if self.known is None else len(self.known)
         if done == 0:
             self.answers = np.asarray(ask(table), dtype=np.float64)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +72,14 @@ class Classifier(Protocol):
     classes_: np.ndarray
 
     def predict_proba(self, table: FeatureTable) -> np.ndarray: ...
+
+
+def asked_of(classifier: Classifier) -> Callable[[FeatureTable], np.ndarray]:
+    """What the verdict step asks of ``classifier``: every state's probability but only the
+    likeliest state's causes, where it can leave the others unasked (the learned model's
+    ``predict_likeliest_proba``), else its ``predict_proba``."""
+    likeliest = getattr(classifier, "predict_likeliest_proba", None)
+    return classifier.predict_proba if likeliest is None else likeliest
 
 
 @dataclass(frozen=True, slots=True)
@@ -734,11 +742,7 @@ class Verdicts:
             return []
         rows = _Rows(table)
         labels = [split_label(str(label)) for label in self.classifier.classes_]
-        # a verdict reads every state's probability but only the likeliest state's causes: a
-        # classifier that can leave the others' unasked (the learned model) is asked so
-        likeliest = getattr(self.classifier, "predict_likeliest_proba", None)
-        predict = self.classifier.predict_proba if likeliest is None else likeliest
-        matrix = np.asarray(predict(table), dtype=np.float64)
+        matrix = np.asarray(asked_of(self.classifier)(table), dtype=np.float64)
         states = _state_probabilities(matrix, labels)
         # no utilization reading: NVML said nothing of the GPU's work, and no classifier judges
         # it by its serving figures alone (the rules say unknown; a model would guess)

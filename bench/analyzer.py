@@ -378,9 +378,10 @@ class _Stopwatch:
         return self._timed(self.classifier.predict_proba, table)
 
     def predict_likeliest_proba(self, table: Any) -> Any:
-        # what the verdict step asks of a classifier that has it (the model), as it would
-        likeliest = getattr(self.classifier, "predict_likeliest_proba", None)
-        return self._timed(likeliest or self.classifier.predict_proba, table)
+        from gpubalance.analyzer.verdict import asked_of
+
+        # what the verdict step asks of the classifier itself, timed
+        return self._timed(asked_of(self.classifier), table)
 
     def _timed(self, predict: Any, table: Any) -> Any:
         began = time.process_time()
