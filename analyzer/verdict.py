@@ -137,6 +137,9 @@ _EVIDENCE_FEATURES = (
     "peer_queue_max_batches",
     "utilization_ratio",
     "kv_cache_usage_ratio",
+    "rho_fitted_ratio",
+    "peer_rho_fitted_max",
+    "pool_fair_rho_fitted_ratio",
 )
 # the frame figures the rules and the evidence read, one float64 column each (None: NaN)
 _FIGURES = (
@@ -539,6 +542,8 @@ class _Evidence:
             found["batch"] = self._batch(row, state)
         if self.idle[row]:
             found["idle"] = self._idle(row)
+        if cause in _WORK_CAUSES:
+            found["work"] = self._work(row)
         if self.coverage[row]:
             found["coverage"] = self._coverage(row)
         first = _FIRST.get(cause, ("load",))
@@ -656,6 +661,23 @@ class _Evidence:
             return f"idle {_pct(idle)} of its capacity while a peer had {peer:.1f} batches queued"
         return None
 
+    def _work(self, row: int) -> str | None:
+        """The figures that tell routing skew, low demand and capacity shortage apart (the
+        causes' lines, causes.BUSY_PEER_RHO and causes.ROUTING_FAIR_RHO; the ground truth's
+        0.85 of the pool's work split by capacity): the GPU's work, its busiest peer's and the
+        pool's split by capacity, each the share of the window it keeps a GPU busy at full
+        batches."""
+        rho = self.f["rho_fitted_ratio"][row]
+        if not _known(rho):
+            return None
+        peer, fair = self.f["peer_rho_fitted_max"][row], self.f["pool_fair_rho_fitted_ratio"][row]
+        text = f"its work would keep it busy {_pct(rho)} of the window at full batches"
+        if _known(peer):
+            text += f", its busiest peer's {_pct(peer)}"
+        if _known(fair):
+            text += f"; the pool's, split by capacity, {_pct(fair)} each"
+        return text
+
     def _coverage(self, row: int) -> str | None:
         frame = self.rows.table.frames[row]
         expected = frame.expected_sample_count
@@ -669,8 +691,10 @@ class _Evidence:
         return None
 
 
-# the causes that bring a sentence of their own (clock, feeder, throughput)
-_CAUSE_SENTENCES = frozenset({"throttling", "host_bound", "slow_card"})
+# the causes whose evidence says the work against the pool's (what tells them apart)
+_WORK_CAUSES = frozenset({"routing_skew", "low_demand", "capacity_shortage"})
+# the causes that bring a sentence of their own (clock, feeder, throughput, work)
+_CAUSE_SENTENCES = frozenset({"throttling", "host_bound", "slow_card"}) | _WORK_CAUSES
 # the sentences a cause's evidence starts with
 _FIRST: Mapping[str, tuple[str, ...]] = {
     "throttling": ("clock", "throughput"),
@@ -679,7 +703,9 @@ _FIRST: Mapping[str, tuple[str, ...]] = {
     "memory_pressure": ("memory",),
     "batch_delay": ("batch",),
     "slow_card": ("throughput",),
-    "routing_skew": ("load", "idle"),
+    "routing_skew": ("load", "work", "idle"),
+    "low_demand": ("load", "work"),
+    "capacity_shortage": ("load", "work"),
 }
 
 

@@ -395,6 +395,46 @@ def test_every_verdict_carries_evidence_with_its_figures(skewed: list[Sample]) -
     assert any("idle" in s and "while a peer had" in s for v in starved for s in v.evidence)
 
 
+def test_routing_evidence_says_the_work_against_the_busiest_peer_and_the_pool(
+    skewed: list[Sample],
+) -> None:
+    # what tells routing_skew from low_demand and capacity_shortage (the causes' routing
+    # lines): the GPU's work, its busiest peer's, and the pool's split by capacity
+    table, diagnosis = _diagnose(skewed)
+    rows = {(f.t_start, f.gpu): table.row(i) for i, f in enumerate(table.frames)}
+    said = 0
+    for verdict in diagnosis.verdicts:
+        row = rows[(verdict.t_start, verdict.gpu)]
+        work = [s for s in verdict.evidence if s.startswith("its work would keep it busy")]
+        if verdict.cause not in {"routing_skew", "low_demand", "capacity_shortage"}:
+            assert not work
+            continue
+        rho, peer, fair = (
+            row[name]
+            for name in ("rho_fitted_ratio", "peer_rho_fitted_max", "pool_fair_rho_fitted_ratio")
+        )
+        assert np.isfinite([rho, peer, fair]).all()
+        assert work == [
+            f"its work would keep it busy {rho * 100:.0f} % of the window at full batches, its "
+            f"busiest peer's {peer * 100:.0f} %; the pool's, split by capacity, "
+            f"{fair * 100:.0f} % each"
+        ]
+        # said after the load, before the rest
+        assert verdict.evidence.index(work[0]) == 1
+        said += 1
+    assert said == len(diagnosis.verdicts)
+    # the last window: the default target's work is past its window, the others' busiest
+    # peer is it, and split by capacity the pool's work would leave every GPU room
+    last = {
+        v.gpu: rows[(v.t_start, v.gpu)]
+        for v in diagnosis.verdicts
+        if v.t_start == 210 + ORIGIN_SECONDS
+    }
+    assert last[0]["rho_fitted_ratio"] >= 1.0
+    assert all(last[g]["peer_rho_fitted_max"] == last[0]["rho_fitted_ratio"] for g in (1, 2, 3))
+    assert last[0]["pool_fair_rho_fitted_ratio"] < 0.85
+
+
 def test_throttling_and_host_evidence_name_their_figures(tmp_path: Path) -> None:
     table, diagnosis = _diagnose(_fast("thermal-throttle", 240, tmp_path / "t"))
     frame = next(f for f in table.frames if f.gpu == 1 and f.t_start == ORIGIN_SECONDS + 210)
@@ -405,6 +445,8 @@ def test_throttling_and_host_evidence_name_their_figures(tmp_path: Path) -> None
     assert (
         throttled.evidence[0] == f"SM clock {frame.sm_clock_ratio * 100:.0f} % of max ({reasons})"
     )
+    # the work against the pool's tells the routing causes apart, not this one
+    assert not any(s.startswith("its work would keep it busy") for s in throttled.evidence)
 
     table, diagnosis = _diagnose(_fast("host-bound", 240, tmp_path / "h"))
     frame = next(f for f in table.frames if f.gpu == 2 and f.t_start == ORIGIN_SECONDS + 210)

@@ -34,6 +34,8 @@ FALLBACK_CAUSE: Mapping[State, Cause] = {
 }
 # starved for a reason more work would cure: these GPUs can take work from a busy peer
 TAKES_WORK: frozenset[Cause] = frozenset({"routing_skew", "low_demand"})
+# the causes whose evidence says the work against the pool's
+WORK_CAUSES: frozenset[Cause] = frozenset({"routing_skew", "low_demand", "capacity_shortage"})
 # a peer queue at least this many batches counts as "work waiting" for the fleet verdict
 QUEUED_BATCHES = 1.0
 JUDGED: tuple[State, ...] = ("starved", "overloaded", "balanced")
@@ -244,6 +246,7 @@ class _Evidence:
             "throughput": self._throughput(frame, features, cause),
             "batch": self._batch(frame, features, state),
             "idle": self._idle(features),
+            "work": self._work(features) if cause in WORK_CAUSES else None,
             "coverage": self._coverage(frame),
         }
         first = {
@@ -253,7 +256,9 @@ class _Evidence:
             "memory_pressure": ("memory",),
             "batch_delay": ("batch",),
             "slow_card": ("throughput",),
-            "routing_skew": ("load", "idle"),
+            "routing_skew": ("load", "work", "idle"),
+            "low_demand": ("load", "work"),
+            "capacity_shortage": ("load", "work"),
         }.get(cause, ("load",))
         order = [*first, *(name for name in found if name not in first)]
         return [found[name] for name in order if found[name]]
@@ -377,6 +382,18 @@ class _Evidence:
         if _known(idle) and idle >= 0.2 and _known(peer):
             return f"idle {_pct(idle)} of its capacity while a peer had {peer:.1f} batches queued"
         return None
+
+    @staticmethod
+    def _work(features: Mapping[str, float]) -> str | None:
+        rho = features["rho_fitted_ratio"]
+        if not _known(rho):
+            return None
+        text = f"its work would keep it busy {_pct(rho)} of the window at full batches"
+        if _known(peer := features["peer_rho_fitted_max"]):
+            text += f", its busiest peer's {_pct(peer)}"
+        if _known(fair := features["pool_fair_rho_fitted_ratio"]):
+            text += f"; the pool's, split by capacity, {_pct(fair)} each"
+        return text
 
     @staticmethod
     def _coverage(frame: GpuFrame) -> str | None:
