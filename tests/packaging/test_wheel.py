@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel, and what its build said."""
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    result = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -32,9 +33,15 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         check=True,
         capture_output=True,
+        text=True,
     )
     (path,) = out.glob("gpubalance-*.whl")
-    return path
+    return path, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built: tuple[Path, str]) -> Path:
+    return built[0]
 
 
 def test_wheel_has_one_import_root(wheel: Path) -> None:
@@ -46,6 +53,23 @@ def test_wheel_has_one_import_root(wheel: Path) -> None:
     assert "gpubalance/exporter/nvml.py" in names
     assert "gpubalance/lab/fakenvml/fakenvml.c" in names  # built at run time by gcc
     assert "gpubalance/analyzer/models/default.skops" in names  # the analyzer's default
+
+
+def test_every_data_folder_is_shipped_as_a_package_of_its_own(built: tuple[Path, str]) -> None:
+    # a folder setuptools is not told is a package it warns it will stop shipping
+    path, said = built
+    assert "absent from the `packages` configuration" not in said
+    names = set(zipfile.ZipFile(path).namelist())
+    for data in (
+        "gpubalance/lab/scenarios/skewed-heterogeneous.yaml",
+        "gpubalance/lab/scenarios/README.md",
+        "gpubalance/lab/data/ATTRIBUTION.md",
+        "gpubalance/lab/data/AzureLLMInferenceTrace_conv.csv",
+        "gpubalance/lab/VALIDATION.md",
+        "gpubalance/analyzer/models/default.report.json",
+        "gpubalance/dashboards/json/fleet.json",
+    ):
+        assert data in names, f"{data} is not in the wheel"
 
 
 def test_every_source_package_is_shipped(wheel: Path) -> None:
