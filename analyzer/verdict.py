@@ -116,10 +116,6 @@ def _pct(ratio: float) -> str:
     return f"{ratio * 100:.0f} %"
 
 
-def _count(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.1f}"
-
-
 def _known(value: float) -> bool:
     return math.isfinite(value)
 
@@ -518,6 +514,9 @@ class _Evidence:
         self.idle, self.coverage, self.pinned = idle.tolist(), coverage.tolist(), pinned.tolist()
         self.reasons = rows.throttle_reasons.tolist()
         self.kv_full_batch = kv_full_batch.tolist()
+        # every row has one, most rows that alone: made in one pass (at a fleet's 10^5 rows a
+        # call per row costs more than the sentence)
+        self.loads = _load_sentences(self.v, self.f)
 
     def sentences(self, row: int, state: State, cause: Cause) -> list[str]:
         if (
@@ -525,9 +524,9 @@ class _Evidence:
             and cause not in _CAUSE_SENTENCES
             and not (state == "starved" and self.batch[row])
         ):
-            return [self._load(row)]
-        # each sentence where it may say something, in this order after the cause's own
-        found = {"load": self._load(row)}
+            return [self.loads[row]]
+        # each sentence where it may say something, in _SENTENCES' order after the cause's own
+        found = {"load": self.loads[row]}
         if self.reasons[row] or cause == "throttling":
             found["clock"] = self._clock(row, cause)
         if self.pinned[row] or cause == "host_bound":
@@ -546,31 +545,7 @@ class _Evidence:
             found["work"] = self._work(row)
         if self.coverage[row]:
             found["coverage"] = self._coverage(row)
-        first = _FIRST.get(cause, ("load",))
-        order = [*first, *(name for name in found if name not in first)]
-        return [text for name in order if (text := found.get(name))]
-
-    def _load(self, row: int) -> str:
-        v = self.v
-        parts = []
-        queue, utilization = v["queue_depth_mean"][row], v["utilization_mean_ratio"][row]
-        peer_queue, peer_utilization = v["peer_queue"][row], v["peer_utilization"][row]
-        if queue is not None:
-            batches = self.f["queue_batches"][row]
-            if peer_queue is not None:
-                parts.append(f"queue {_count(queue)} vs peer median {_count(peer_queue)}")
-            elif _known(batches) and batches > 0:
-                parts.append(f"queue {_count(queue)}, {batches:.1f} times its largest batch")
-            else:
-                parts.append(f"queue {_count(queue)} with no peer to compare")
-        if utilization is not None:
-            if peer_utilization is not None:
-                parts.append(f"utilization {_pct(utilization)} vs {_pct(peer_utilization)}")
-            else:
-                parts.append(f"utilization {_pct(utilization)} of the window")
-        if queue is None:
-            parts.append("no serving queue figures")
-        return "; ".join(parts)
+        return [text for name in _ORDER.get(cause, _SENTENCES) if (text := found.get(name))]
 
     def _clock(self, row: int, cause: Cause) -> str | None:
         throttle_reasons = self.rows.table.frames[row].throttle_reasons
@@ -691,6 +666,44 @@ class _Evidence:
         return None
 
 
+def _load_sentences(
+    values: Mapping[str, list[float | None]], features: Mapping[str, list[float]]
+) -> list[str]:
+    """Each row's queue (one decimal under 10, none from 10) and utilization (:func:`_pct`,
+    written out: at a fleet's 10^5 rows a call per figure costs more than its formatting)
+    against its peers' medians."""
+    out = []
+    for queue, utilization, peer_queue, peer_utilization, batches in zip(
+        values["queue_depth_mean"],
+        values["utilization_mean_ratio"],
+        values["peer_queue"],
+        values["peer_utilization"],
+        features["queue_batches"],
+        strict=True,
+    ):
+        parts = []
+        if queue is not None:
+            shown = f"{queue:.0f}" if abs(queue) >= 10 else f"{queue:.1f}"
+            if peer_queue is not None:
+                peer = f"{peer_queue:.0f}" if abs(peer_queue) >= 10 else f"{peer_queue:.1f}"
+                parts.append(f"queue {shown} vs peer median {peer}")
+            elif math.isfinite(batches) and batches > 0:
+                parts.append(f"queue {shown}, {batches:.1f} times its largest batch")
+            else:
+                parts.append(f"queue {shown} with no peer to compare")
+        if utilization is not None:
+            if peer_utilization is not None:
+                parts.append(
+                    f"utilization {utilization * 100:.0f} % vs {peer_utilization * 100:.0f} %"
+                )
+            else:
+                parts.append(f"utilization {utilization * 100:.0f} % of the window")
+        if queue is None:
+            parts.append("no serving queue figures")
+        out.append("; ".join(parts))
+    return out
+
+
 # the causes whose evidence says the work against the pool's (what tells them apart)
 _WORK_CAUSES = frozenset({"routing_skew", "low_demand", "capacity_shortage"})
 # the causes that bring a sentence of their own (clock, feeder, throughput, work)
@@ -706,6 +719,24 @@ _FIRST: Mapping[str, tuple[str, ...]] = {
     "routing_skew": ("load", "work", "idle"),
     "low_demand": ("load", "work"),
     "capacity_shortage": ("load", "work"),
+}
+# the sentences in the order `_Evidence.sentences` finds them, and each cause's order: its own
+# first, then the rest as found
+_SENTENCES = (
+    "load",
+    "clock",
+    "feeder",
+    "io",
+    "memory",
+    "throughput",
+    "batch",
+    "idle",
+    "work",
+    "coverage",
+)
+_ORDER: Mapping[str, tuple[str, ...]] = {
+    cause: (*first, *(name for name in _SENTENCES if name not in first))
+    for cause, first in _FIRST.items()
 }
 
 
