@@ -116,6 +116,10 @@ def _pct(ratio: float) -> str:
     return f"{ratio * 100:.0f} %"
 
 
+def _count(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.1f}"
+
+
 def _known(value: float) -> bool:
     return math.isfinite(value)
 
@@ -669,9 +673,7 @@ class _Evidence:
 def _load_sentences(
     values: Mapping[str, list[float | None]], features: Mapping[str, list[float]]
 ) -> list[str]:
-    """Each row's queue (one decimal under 10, none from 10) and utilization (:func:`_pct`,
-    written out: at a fleet's 10^5 rows a call per figure costs more than its formatting)
-    against its peers' medians."""
+    """Each row's queue and utilization against its peers' medians."""
     out = []
     for queue, utilization, peer_queue, peer_utilization, batches in zip(
         values["queue_depth_mean"],
@@ -683,21 +685,17 @@ def _load_sentences(
     ):
         parts = []
         if queue is not None:
-            shown = f"{queue:.0f}" if abs(queue) >= 10 else f"{queue:.1f}"
             if peer_queue is not None:
-                peer = f"{peer_queue:.0f}" if abs(peer_queue) >= 10 else f"{peer_queue:.1f}"
-                parts.append(f"queue {shown} vs peer median {peer}")
-            elif math.isfinite(batches) and batches > 0:
-                parts.append(f"queue {shown}, {batches:.1f} times its largest batch")
+                parts.append(f"queue {_count(queue)} vs peer median {_count(peer_queue)}")
+            elif _known(batches) and batches > 0:
+                parts.append(f"queue {_count(queue)}, {batches:.1f} times its largest batch")
             else:
-                parts.append(f"queue {shown} with no peer to compare")
+                parts.append(f"queue {_count(queue)} with no peer to compare")
         if utilization is not None:
             if peer_utilization is not None:
-                parts.append(
-                    f"utilization {utilization * 100:.0f} % vs {peer_utilization * 100:.0f} %"
-                )
+                parts.append(f"utilization {_pct(utilization)} vs {_pct(peer_utilization)}")
             else:
-                parts.append(f"utilization {utilization * 100:.0f} % of the window")
+                parts.append(f"utilization {_pct(utilization)} of the window")
         if queue is None:
             parts.append("no serving queue figures")
         out.append("; ".join(parts))
