@@ -38,8 +38,10 @@ from gpubalance.analyzer import evaluate, train  # noqa: E402
 FIGURE = Path(__file__).resolve().parent / "rho_estimates.png"
 ESTIMATES = ("rho_fitted_ratio", "offered_rho_estimate_ratio", "effective_utilization_ratio")
 BANDS = ((0.0, 0.3), (0.3, 0.6), (0.6, 0.85), (0.85, 1.2), (1.2, float("inf")))
-# the bytes each weight streams per decode step, as a run's models name them
-WEIGHTS = {0.5: "4-bit weights", 1.0: "8-bit weights", 2.0: "16-bit weights"}
+# the truth's lines: starved below the first, overloaded from the second
+LINES = (0.3, 0.85)
+# the bytes each weight streams per decode step, as a run's models name them, widest first
+WEIGHTS = {2.0: "16-bit weights", 1.0: "8-bit weights", 0.5: "4-bit weights"}
 # (estimates per window in ESTIMATES order, truth rho) of one run
 Pairs = tuple[np.ndarray, np.ndarray]
 
@@ -65,15 +67,17 @@ def _row(label: str, values: np.ndarray, rho: np.ndarray) -> str:
     for k in range(len(ESTIMATES)):
         known = ~np.isnan(values[:, k])
         if not known.any():
-            cells += ["0 %", "-", "-"]
+            cells += ["0 %", "-", "-", "-"]
             continue
         estimate, truth = values[known, k], rho[known]
         positive = truth > 0.05  # a ratio to a near-zero truth says nothing
         ratio = np.median(estimate[positive] / truth[positive]) if positive.any() else np.nan
+        side = np.mean(np.digitize(estimate, LINES) == np.digitize(truth, LINES))
         cells += [
             f"{known.mean():.0%}",
             "-" if np.isnan(ratio) else f"{ratio:.2f}",
             f"{np.median(np.abs(estimate - truth)):.3f}",
+            f"{side:.0%}",
         ]
     return "| " + " | ".join(cells) + " |"
 
@@ -81,7 +85,7 @@ def _row(label: str, values: np.ndarray, rho: np.ndarray) -> str:
 def _table(first: str, rows: Sequence[str]) -> list[str]:
     head = [first, "windows"]
     for name in ESTIMATES:
-        head += [f"{name}: known", "median ratio", "median abs error"]
+        head += [f"{name}: known", "median ratio", "median abs error", "same side"]
     return ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|", *rows]
 
 
@@ -130,18 +134,21 @@ def main() -> None:
     values = np.vstack([v for runs in by_family.values() for v, _ in runs])
     rho = np.concatenate([r for runs in by_family.values() for _, r in runs])
 
-    def grouped(groups: dict[str, list[Pairs]], label: str) -> list[str]:
+    def grouped(groups: dict[str, list[Pairs]], label: str, order: Sequence[str]) -> list[str]:
         return [
             _row(
                 label.format(key),
-                np.vstack([v for v, _ in runs]),
-                np.concatenate([r for _, r in runs]),
+                np.vstack([v for v, _ in groups[key]]),
+                np.concatenate([r for _, r in groups[key]]),
             )
-            for key, runs in sorted(groups.items())
+            for key in order
+            if key in groups
         ]
 
-    family_rows = grouped(by_family, "`{}`")
-    weight_rows = grouped(by_weights, "{}")
+    family_rows = grouped(by_family, "`{}`", sorted(by_family))
+    weight_rows = grouped(
+        by_weights, "{}", [*WEIGHTS.values(), *sorted(set(by_weights) - set(WEIGHTS.values()))]
+    )
     band_rows = [
         _row(f"{low:g}-{high:g}", values[mask], rho[mask])
         for low, high in BANDS
@@ -156,8 +163,9 @@ def main() -> None:
             f"{len(examples)} generated runs, {len(rho):,} GPU-windows with a truth.",
             "",
             "Per estimate: the share of windows it is known in, its median ratio to the "
-            "truth's ρ (windows with ρ > 0.05) and its median absolute error. The ground truth "
-            "draws its lines at ρ 0.30 and 0.85.",
+            "truth's ρ (windows with ρ > 0.05), its median absolute error, and the share of "
+            "the windows it is known in where it falls on the truth's side of both lines: "
+            "the ground truth draws them at ρ 0.30 and 0.85.",
             "",
             *_table("truth ρ", [_row("all", values, rho), *band_rows]),
             "",
