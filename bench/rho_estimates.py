@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import progress, write_section  # noqa: E402
 
 from gpubalance.analyzer import evaluate, train  # noqa: E402
+from gpubalance.lab.truth import OVERLOADED_RHO, STARVED_RHO  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "rho_estimates.png"
 ESTIMATES = ("rho_fitted_ratio", "offered_rho_estimate_ratio", "effective_utilization_ratio")
 BANDS = ((0.0, 0.3), (0.3, 0.6), (0.6, 0.85), (0.85, 1.2), (1.2, float("inf")))
 # the truth's lines: starved below the first, overloaded from the second
-LINES = (0.3, 0.85)
+LINES = (STARVED_RHO, OVERLOADED_RHO)
 # the bytes each weight streams per decode step, as a run's models name them, widest first
 WEIGHTS = {2.0: "16-bit weights", 1.0: "8-bit weights", 0.5: "4-bit weights"}
 # (estimates per window in ESTIMATES order, truth rho) of one run
